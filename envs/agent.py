@@ -1,0 +1,62 @@
+"""The terminal agent's protocol: what the model is told and how its replies become actions.
+
+The model answers each turn with one shell command in a fenced ```bash block, or with the
+word ``DONE`` on a line of its own when it has finished. Its command's output is sent back as
+the next user message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from envs.task import Task
+
+SYSTEM_PROMPT = (
+    "You are an agent working in a Linux shell. Each turn, reply with exactly one shell command "
+    "in a ```bash code block; you will see its output. The working directory is /app. "
+    "When the task is complete, reply with DONE."
+)
+CODE_SYSTEM_PROMPT = "You are an expert Python programmer."
+
+_BLOCK = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_DONE = re.compile(r"^\s*DONE\s*\.?\s*$", re.MULTILINE)
+OBSERVATION_LIMIT_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Action:
+    """The parsed reply: a command to run, or done (``command`` is None and ``done`` True)."""
+
+    command: str | None
+    done: bool
+
+
+def initial_messages(task: Task) -> list[dict[str, str]]:
+    """The chat that opens an episode."""
+    system = SYSTEM_PROMPT if task.kind == "terminal" else CODE_SYSTEM_PROMPT
+    return [{"role": "system", "content": system}, {"role": "user", "content": task.instruction}]
+
+
+def parse_action(reply: str) -> Action:
+    """Parse one model reply.
+
+    A fenced bash block wins over ``DONE`` when both are present (the command runs first; the
+    episode ends after it only if nothing else is asked). A reply with neither is neither a
+    command nor done: the harness answers it with a format reminder.
+    """
+    block = _BLOCK.search(reply)
+    if block and block.group(1).strip():
+        return Action(block.group(1).strip(), done=bool(_DONE.search(reply[block.end():])))
+    return Action(None, done=bool(_DONE.search(reply)))
+
+
+def observation(exit_code: int, output: str, timed_out: bool, timeout_s: float) -> str:
+    """The user message that reports a command's result to the model."""
+    text = output if len(output) <= OBSERVATION_LIMIT_CHARS else output[:OBSERVATION_LIMIT_CHARS] + "\n[truncated]"
+    if timed_out:
+        return f"{text}\n[command killed after {timeout_s:g} s]"
+    return f"{text}\n[exit code {exit_code}]"
+
+
+FORMAT_REMINDER = "No command found. Reply with one command in a ```bash block, or DONE."

@@ -1,0 +1,63 @@
+"""The Task contract shared by every task format, and the episode outcome classes.
+
+A task says what the agent is asked (instruction), where it acts (an image build context or an
+image reference), how it is verified (hidden tests, never part of the image), and its budgets.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class Outcome(enum.StrEnum):
+    """How an episode ended (DESIGN.md, Episode outcome).
+
+    ``infra_failure`` episodes are excluded from the policy gradient and retried; failures the
+    model caused itself (command timeout, budget exhausted, broken environment, failing tests)
+    are ``model_failure`` and keep their reward; ``unknown`` means the verifier gave no
+    parsable result.
+    """
+
+    SUCCESS = "success"
+    MODEL_FAILURE = "model_failure"
+    INFRA_FAILURE = "infra_failure"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task, whatever its source format.
+
+    Attributes:
+        task_id: unique id, prefixed by its source (``tb/hello-file``, ``humaneval/HumanEval/0``).
+        kind: ``terminal`` (multi-turn shell agent) or ``code`` (single completion, tests run in a sandbox).
+        instruction: what the agent is told.
+        build_context: folder holding the Dockerfile (terminal tasks); None for code tasks.
+        tests_dir: hidden tests copied into ``/tests`` only after the agent finished (terminal tasks).
+        test_program: for code tasks, the verifier program appended to the completion.
+        prompt: for code tasks, the code prefix the model continues.
+        agent_timeout_s: wall-clock budget for the agent's whole episode.
+        command_timeout_s: limit for one command, enforced inside the container.
+        verifier_timeout_s: limit for the hidden tests.
+        difficulty: the task author's label (easy, medium, hard) or empty.
+        tags: free labels.
+    """
+
+    task_id: str
+    kind: str
+    instruction: str
+    build_context: Path | None = None
+    tests_dir: Path | None = None
+    test_program: str = ""
+    prompt: str = ""
+    agent_timeout_s: float = 120.0
+    command_timeout_s: float = 10.0
+    verifier_timeout_s: float = 30.0
+    difficulty: str = ""
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+class TaskError(ValueError):
+    """A task folder that cannot be loaded; the message names the file and what was expected."""

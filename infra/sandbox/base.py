@@ -1,0 +1,73 @@
+"""The sandbox backend protocol.
+
+A sandbox is one isolated container an episode acts in. Backends raise :class:`SandboxInfraError`
+for anything that is the infrastructure's fault (start failure, container vanished, engine API
+error or unreachable), so the harness can classify the episode as ``infra_failure``; a command
+that hits its own deadline is *not* an error, it is reported in :class:`ExecResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class SandboxInfraError(RuntimeError):
+    """The sandbox failed for reasons outside the model's control.
+
+    Attributes:
+        reason: a short reason code (``sandbox_start_failed``, ``container_vanished``,
+            ``docker_api_error``, ``engine_unreachable``).
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one command did.
+
+    Attributes:
+        exit_code: the command's exit status (137 when killed at its deadline).
+        output: stdout and stderr, decoded, possibly truncated to the backend's limit.
+        timed_out: the command hit its per-command deadline (enforced inside the container).
+        duration_s: wall-clock seconds the exec took.
+    """
+
+    exit_code: int
+    output: str
+    timed_out: bool
+    duration_s: float
+
+
+class Sandbox(Protocol):
+    """One started container."""
+
+    sandbox_id: str
+
+    def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
+        """Run a shell command with a deadline enforced inside the sandbox."""
+        ...
+
+    def put_dir(self, local_dir: Path, dest: str) -> None:
+        """Copy a local folder's contents to ``dest`` inside the sandbox (replacing what is there)."""
+        ...
+
+    def put_file(self, data: bytes, dest: str) -> None:
+        """Write ``data`` to the file ``dest`` inside the sandbox."""
+        ...
+
+    def close(self) -> None:
+        """Remove the sandbox; never raises for an already gone container."""
+        ...
+
+
+class SandboxBackend(Protocol):
+    """Starts sandboxes from images."""
+
+    def start(self, image: str, labels: dict[str, str]) -> Sandbox:
+        """Start a sandbox from ``image``; raises SandboxInfraError on failure."""
+        ...

@@ -1,0 +1,136 @@
+"""Trajectory storage: one Parquet file per step on S3, schema declared once and enforced on write.
+
+Layout: ``s3://{bucket}/{prefix}/{run_id}/trajectories/step-{step:06d}.parquet``. A file is
+serialized fully in memory and sent in one PUT, so a crash mid-write leaves no partial object
+visible to readers (S3 makes an object visible only when its upload completes). Rewriting a
+step replaces its file: a step re-run after a crash never duplicates rows.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+#: One row per episode. Invariants: ``token_ids``, ``loss_mask``, ``rollout_logprobs`` and
+#: ``policy_versions`` have equal length; ``loss_mask[i] == 1`` exactly for tokens the policy
+#: sampled; at positions with mask 0 the logprob is 0.0 and the policy version -1 (not produced
+#: by a policy). ``min/max_policy_version`` range over sampled tokens (-1 when none were sampled).
+TRAJECTORY_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("step", pa.int32()),
+    ("episode_id", pa.string()),
+    ("task_id", pa.string()),
+    ("group_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("attempt", pa.int32()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("rollout_logprobs", pa.list_(pa.float32())),
+    ("policy_versions", pa.list_(pa.int32())),
+    ("min_policy_version", pa.int32()),
+    ("max_policy_version", pa.int32()),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("reward", pa.float32()),
+    ("outcome", pa.string()),
+    ("reason", pa.string()),
+    ("stop_reason", pa.string()),
+    ("agent_end", pa.string()),
+    ("num_turns", pa.int32()),
+    ("commands", pa.list_(pa.string())),
+    ("image", pa.string()),
+    ("image_digest", pa.string()),
+    ("seed", pa.int64()),
+    ("temperature", pa.float32()),
+    ("top_p", pa.float32()),
+    ("max_tokens", pa.int32()),
+    ("queue_s", pa.float64()),
+    ("sandbox_acquire_s", pa.float64()),
+    ("generation_s", pa.float64()),
+    ("tool_s", pa.float64()),
+    ("verify_s", pa.float64()),
+    ("engine_replica", pa.string()),
+    ("sandbox_id", pa.string()),
+])
+_PER_TOKEN = ("loss_mask", "rollout_logprobs", "policy_versions")
+
+
+class SchemaError(ValueError):
+    """A row that breaks the trajectory schema or its invariants; names the row and column."""
+
+
+def validate_rows(rows: Sequence[dict]) -> None:
+    """Check the per-token invariants of :data:`TRAJECTORY_SCHEMA`.
+
+    Raises:
+        SchemaError: unknown or missing column, per-token arrays of unequal length, a NaN
+            logprob on a sampled token, or min/max policy version not matching the tokens.
+    """
+    names = set(TRAJECTORY_SCHEMA.names)
+    for i, row in enumerate(rows):
+        if set(row) != names:
+            extra, missing = sorted(set(row) - names), sorted(names - set(row))
+            raise SchemaError(f"row {i}: unknown columns {extra}, missing columns {missing}")
+        n = len(row["token_ids"])
+        for col in _PER_TOKEN:
+            if len(row[col]) != n:
+                raise SchemaError(f"row {i} ({row['episode_id']}): column '{col}' has {len(row[col])} "
+                                  f"entries, token_ids has {n}")
+        sampled = [v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m]
+        lo, hi = (min(sampled), max(sampled)) if sampled else (-1, -1)
+        if (row["min_policy_version"], row["max_policy_version"]) != (lo, hi):
+            raise SchemaError(f"row {i} ({row['episode_id']}): min/max_policy_version "
+                              f"{row['min_policy_version']}/{row['max_policy_version']} != tokens' {lo}/{hi}")
+        if any(m and math.isnan(lp) for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True)):
+            raise SchemaError(f"row {i} ({row['episode_id']}): NaN rollout logprob on a sampled token")
+
+
+def step_uri(bucket: str, prefix: str, run_id: str, step: int) -> str:
+    """URI of one step's trajectory file."""
+    return f"s3://{bucket}/{prefix}/{run_id}/trajectories/step-{step:06d}.parquet"
+
+
+def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
+    """Validate and write one step's rows as a single Parquet object; returns its size in bytes.
+
+    Raises:
+        SchemaError: see :func:`validate_rows`; a type mismatch is reported with the column.
+    """
+    validate_rows(rows)
+    try:
+        table = pa.Table.from_pylist(list(rows), schema=TRAJECTORY_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise SchemaError(f"{uri}: rows do not match the trajectory schema: {e}") from e
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    data = buf.getvalue()
+    fs.pipe_file(uri, data)  # one PUT: visible whole or not at all
+    return len(data)
+
+
+def read_step(fs, uri: str) -> pa.Table:
+    """Read one step file, checked against the declared schema."""
+    fs.invalidate_cache()
+    with fs.open(uri, "rb") as f:
+        table = pq.read_table(f)
+    if not table.schema.equals(TRAJECTORY_SCHEMA):
+        raise SchemaError(f"{uri}: schema differs from TRAJECTORY_SCHEMA")
+    return table
+
+
+def read_history(fs, bucket: str, prefix: str, run_id: str, columns: Sequence[str]) -> pa.Table:
+    """Selected columns of every stored step of a run (empty table when none)."""
+    fs.invalidate_cache()
+    root = f"{bucket}/{prefix}/{run_id}/trajectories"
+    paths = sorted(p for p in (fs.glob(f"{root}/step-*.parquet") if fs.exists(root) else []))
+    tables = []
+    for p in paths:
+        with fs.open(p, "rb") as f:
+            tables.append(pq.read_table(f, columns=list(columns)))
+    if not tables:
+        return TRAJECTORY_SCHEMA.empty_table().select(list(columns))
+    return pa.concat_tables(tables)

@@ -1,0 +1,114 @@
+"""GRPO math: group-relative advantages, tempered token logprobs, the TIS-corrected token loss.
+
+Notation: ``R`` rows (episodes), ``B`` rows in a micro-batch, ``T`` tokens, ``V`` vocabulary.
+Sources: GRPO advantages (Shao et al. 2024, DeepSeekMath, eq. 3); token-level aggregation
+(Yu et al. 2025, DAPO, eq. 10-12); truncated importance sampling against the behaviour policy
+(Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
+KL estimators k1/k3 (Schulman 2020, "Approximating KL Divergence").
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+
+def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bool = False,
+                     eps: float = 1e-6) -> np.ndarray:
+    """One advantage per row, relative to the row's own group (found by id, never by position).
+
+    ``A_i = r_i - mean(r_g)``, divided by ``std(r_g) + eps`` when ``scale_by_std`` (population std).
+    Computed in float64. A group whose rewards are all equal gets exactly 0 for every row. A group
+    of one row gets 0 (no baseline, no signal), never NaN.
+
+    Args:
+        rewards: shape ``(R,)``, any float dtype.
+        group_ids: ``R`` group ids.
+        scale_by_std: GRPO's std normalisation (Shao et al. 2024); off gives Dr. GRPO.
+
+    Returns:
+        Shape ``(R,)`` float32.
+
+    Raises:
+        ValueError: lengths differ or a reward is not finite.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.shape != (len(group_ids),):
+        raise ValueError(f"rewards shape {r.shape} does not match {len(group_ids)} group ids")
+    if not np.all(np.isfinite(r)):
+        raise ValueError("rewards must be finite")
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    adv = np.zeros_like(r)
+    for idx in members.values():
+        g = r[idx]
+        if len(idx) < 2 or g.max() == g.min():
+            continue
+        centered = g - g.mean()  # two-pass: no cancellation from sum of squares
+        if scale_by_std:
+            centered = centered / (np.sqrt(np.mean(centered**2)) + eps)
+        adv[idx] = centered
+    return adv.astype(np.float32)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of each next token under the tempered distribution ``softmax(logits / T)``.
+
+    Matches what the rollout engine sampled from (vLLM processed logprobs), so the importance
+    ratio is 1 at unchanged weights. Position ``t`` of the result scores ``token_ids[:, t + 1]``.
+
+    Args:
+        logits: ``(B, T, V)`` float.
+        token_ids: ``(B, T)`` int64.
+        temperature: > 0.
+
+    Returns:
+        ``(B, T - 1)`` float32.
+    """
+    scaled = logits[:, :-1].float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, token_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, total_tokens: int, tis_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level policy-gradient loss with a truncated importance-sampling correction.
+
+    ``L = -(1/N) * sum_t m_t * min(exp(lp_t - lp_rollout_t), C) * A * exp(lp_t - sg(lp_t))``: the value
+    equals ``-(1/N) sum m w A`` and the gradient ``-(1/N) sum m w A grad lp``, with ``w`` the capped
+    ratio of trainer to behaviour policy, treated as a constant (Yao et al. 2025). ``N`` is the
+    number of loss tokens in the whole step, so the loss and its gradient do not depend on how the
+    step is split into micro-batches. Positions whose rollout logprob is NaN get weight 1 (neutral)
+    and are left out of the mismatch metrics.
+
+    Args:
+        logprobs: ``(B, T)`` trainer logprobs (with grad).
+        rollout_logprobs: ``(B, T)`` behaviour logprobs stored at rollout time.
+        advantages: ``(B,)`` one per row.
+        mask: ``(B, T)`` 1.0 for tokens in the loss.
+        total_tokens: ``N`` (>= 0); 0 gives a zero loss with zero gradient.
+        tis_cap: ``C >= 1``.
+
+    Returns:
+        (loss scalar, metric sums over this micro-batch: ``tokens``, ``abs_diff``, ``k1``, ``k3``, ``capped``,
+        ``missing``; divide by ``tokens`` for means).
+    """
+    mask = mask.float()
+    known = mask * (~torch.isnan(rollout_logprobs)).float()
+    rollout = torch.nan_to_num(rollout_logprobs, nan=0.0)
+    log_ratio = (logprobs.detach() - rollout) * known  # log pi_trainer/pi_rollout, 0 where unknown
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=tis_cap)
+    pg = weight * advantages[:, None] * torch.exp(logprobs - logprobs.detach())
+    loss = -(pg * mask).sum() / max(total_tokens, 1)
+    metrics = {
+        "tokens": float(known.sum()),
+        "abs_diff": float((log_ratio.abs() * known).sum()),
+        "k1": float((-log_ratio * known).sum()),  # E_rollout[log pi_rollout - log pi_trainer]
+        "k3": float(((ratio - 1 - log_ratio) * known).sum()),
+        "capped": float(((ratio > tis_cap).float() * known).sum()),
+        "missing": float((mask - known).sum()),
+    }
+    return loss, metrics

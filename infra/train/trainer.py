@@ -1,0 +1,150 @@
+"""The GRPO training step on a DeepSpeed engine (ZeRO, gloo on CPU, NCCL on GPU).
+
+One step reads trajectory rows, keeps the eligible ones (not ``infra_failure``, not ``unknown``),
+computes group advantages, and runs micro-batches with a global token denominator, then one
+optimizer step. Gradient accumulation is caller-owned (``managed_gradient_accumulation=false``):
+each micro-batch's loss is already divided by the step's token count, so DeepSpeed must not
+rescale it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+from infra.train.grpo import group_advantages, tis_policy_loss, token_logprobs
+
+EXCLUDED_OUTCOMES = ("infra_failure", "unknown")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eligible_rows(rows: list[dict]) -> list[dict]:
+    """Rows that enter the gradient: infra failures and unverifiable episodes are left out."""
+    return [r for r in rows if r["outcome"] not in EXCLUDED_OUTCOMES]
+
+
+class GRPOTrainer:
+    """A policy model wrapped in a DeepSpeed engine, trained one GRPO step at a time."""
+
+    def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
+                 tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
+                 max_seq_len: int):
+        """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
+
+        Initializes torch.distributed (gloo) for a single process when it is not initialized yet.
+        """
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        # A single process: DeepSpeed reads these even when vLLM already set up the (gloo) group.
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.config.use_cache = False
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_rows,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "zero_optimization": {"stage": zero_stage},
+            "gradient_clipping": grad_clip,
+            "steps_per_print": 10**9,
+        }
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
+        self.micro_batch_rows = micro_batch_rows
+        self.tis_cap, self.temperature = tis_cap, temperature
+        self.scale_by_std, self.mask_truncated = scale_by_std, mask_truncated
+        self.max_seq_len = max_seq_len
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.steps_done = 0
+
+    def step(self, rows: list[dict]) -> dict[str, float]:
+        """Run one GRPO step on ``rows`` (trajectory rows as stored).
+
+        Returns:
+            Metrics: ``rows_trained``, ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
+            (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``,
+            ``missing_logprobs``, ``train_s``.
+        """
+        import torch
+
+        start = time.monotonic()
+        rows = eligible_rows(rows)
+        adv = group_advantages(np.array([r["reward"] for r in rows], dtype=np.float64),
+                               [r["group_id"] for r in rows], scale_by_std=self.scale_by_std)
+        masks = []
+        for r in rows:
+            m = np.asarray(r["loss_mask"][: self.max_seq_len], dtype=np.float32)
+            if self.mask_truncated and r["stop_reason"] == "length":
+                m = np.zeros_like(m)
+            masks.append(m[1:])  # position 0 is never predicted
+        total_tokens = int(sum(m.sum() for m in masks))
+        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "missing"), 0.0)
+        loss_value = 0.0
+        self.engine.train()
+        for lo in range(0, len(rows), self.micro_batch_rows):
+            idx = list(range(lo, min(lo + self.micro_batch_rows, len(rows))))
+            width = max(min(len(rows[i]["token_ids"]), self.max_seq_len) for i in idx)
+            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros((len(idx), width), dtype=torch.long)
+            mask = torch.zeros((len(idx), width - 1))
+            rollout = torch.zeros((len(idx), width - 1))
+            for b, i in enumerate(idx):
+                toks = rows[i]["token_ids"][: self.max_seq_len]
+                n = len(toks)
+                ids[b, :n] = torch.tensor(toks)
+                attn[b, :n] = 1
+                mask[b, : n - 1] = torch.from_numpy(masks[i])
+                lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
+                rollout[b, : n - 1] = torch.from_numpy(lp[1:])
+            logits = self.engine(input_ids=ids, attention_mask=attn).logits
+            lp = token_logprobs(logits, ids, self.temperature)
+            loss, m = tis_policy_loss(lp, rollout, torch.from_numpy(adv[idx]), mask, total_tokens, self.tis_cap)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            loss_value += float(loss.detach())
+            for k in sums:
+                sums[k] += m[k]
+        self.engine.step()
+        self.steps_done += 1
+        grad_norm = self.engine.get_global_grad_norm()
+        tokens = max(sums["tokens"], 1.0)
+        return {
+            "rows_trained": float(len(rows)),
+            "loss_tokens": float(total_tokens),
+            "loss": loss_value,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "logprob_abs_diff": sums["abs_diff"] / tokens,
+            "kl_k1": sums["k1"] / tokens,
+            "kl_k3": sums["k3"] / tokens,
+            "tis_capped_frac": sums["capped"] / tokens,
+            "missing_logprobs": sums["missing"],
+            "train_s": time.monotonic() - start,
+        }
+
+    def export(self, out_dir: Path) -> Path:
+        """Write the current weights as an HF safetensors folder (tied embeddings stay tied).
+
+        With one process and ZeRO stage <= 2, the module holds the full float32 parameters.
+
+        Raises:
+            NotImplementedError: ZeRO stage 3 (parameters are partitioned; gather before export).
+        """
+        if self.engine.zero_optimization_stage() == 3:
+            raise NotImplementedError("export under ZeRO-3 needs GatheredParameters; use stage <= 2")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.engine.module.save_pretrained(out_dir, safe_serialization=True)
+        return out_dir
