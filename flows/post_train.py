@@ -1,0 +1,115 @@
+"""The main loop as a Prefect flow: build envs → difficulty → rollouts → store → train → publish → evaluate.
+
+Run it: ``python -m flows.post_train --config configs/quickstart.toml`` (``make run`` does this
+after bringing up the local services). Each stage is a Prefect task; stages pass URIs. Re-running
+the same ``run_id`` resumes after the last published checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+
+from infra.checkpoint import checkpoint_uri
+from infra.config import ConfigError, RunConfig, load_config
+from tasks.build_envs import build_envs, image_asset, materialize_task_images
+from tasks.difficulty import refresh_difficulty
+from tasks.evaluate import evaluate
+from tasks.lineage import as_asset
+from tasks.policy import prepare_policy
+from tasks.publish import hot_load, publish_checkpoint
+from tasks.rollouts import collect_rollouts
+from tasks.runtime import runtime
+from tasks.train import train_step
+
+
+def _artifact_key(run_id: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in run_id.lower()) + "-steps"
+
+
+@flow(name="post_train", log_prints=True)
+def post_train(config: RunConfig = RunConfig()) -> list[dict]:
+    """Run ``config.steps`` GRPO steps of agentic RL post-training; returns one summary per step run.
+
+    Summary keys: step, time_to_batch_s, reward_mean, outcomes, policy_lag_max, logprob_abs_diff,
+    checkpoint, eval_pass_at_1, and per-stage seconds.
+    """
+    catalog_uri = build_envs(config)
+    image_keys = materialize_task_images(config, catalog_uri)
+    policy = prepare_policy(config)
+    catalog = runtime(config).load_catalog(catalog_uri)
+    image_of = {e["task_id"]: e["image"] for e in catalog["tasks"]}
+    s = config.storage
+    summaries = []
+    for step in range(policy["next_step"], config.steps):
+        t0 = time.monotonic()
+        selection = refresh_difficulty(config, catalog_uri, step)
+        t1 = time.monotonic()
+        traj_uri = f"s3://{s.bucket}/{s.prefix}/{config.run_id}/trajectories/step-{step:06d}.parquet"
+        deps = sorted({image_asset(image_of[t]) for t in selection["chosen"]} & set(image_keys))
+        rollouts = as_asset(collect_rollouts, traj_uri, deps)(config, catalog_uri, selection["chosen"], step)
+        t2 = time.monotonic()
+        metrics = train_step(config, rollouts["uri"])
+        t3 = time.monotonic()
+        version = step + 1
+        ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
+        as_asset(publish_checkpoint, ckpt, [traj_uri])(config, ckpt, version, step)
+        loaded = hot_load(config, ckpt)
+        t4 = time.monotonic()
+        report = None
+        if config.eval.enabled:
+            report = as_asset(evaluate, f"{ckpt}/eval.json", [ckpt])(config, catalog_uri, f"{ckpt}/eval.json")
+        t5 = time.monotonic()
+        summary = {
+            "step": step, "time_to_batch_s": round(rollouts["time_to_batch_s"], 2),
+            "reward_mean": round(rollouts["reward_mean"], 4), "outcomes": rollouts["outcomes"],
+            "rows": rollouts["rows"], "policy_lag_max": metrics["policy_lag_max"],
+            "logprob_abs_diff": metrics["logprob_abs_diff"], "kl_k3": metrics["kl_k3"],
+            "checkpoint": ckpt, "policy_version": loaded["version"], "reload_pause_s": round(loaded["pause_s"], 3),
+            "eval_pass_at_1": report["pass_at_1"] if report else None,
+            "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
+            "publish_s": round(t4 - t3, 2), "eval_s": round(t5 - t4, 2),
+        }
+        summaries.append(summary)
+        print(format_summary(summary))
+        create_table_artifact(key=_artifact_key(config.run_id), table=[{k: str(v) for k, v in x.items()}
+                                                                       for x in summaries],
+                              description=f"post_train {config.run_id}: per-step summary")
+    return summaries
+
+
+def format_summary(s: dict) -> str:
+    """One line per step for the terminal."""
+    outcomes = " ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items()))
+    pass1 = "n/a" if s["eval_pass_at_1"] is None else f"{s['eval_pass_at_1']:.3f}"
+    return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
+            f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
+            f"logprob_mismatch={s['logprob_abs_diff']:.2e} checkpoint={s['checkpoint']} eval_pass@1={pass1} "
+            f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "
+            f"publish+load {s['publish_s']} eval {s['eval_s']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: parse the config first (fast, clear errors), then run the flow."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
+    parser.add_argument("--steps", type=int, default=None, help="override config steps")
+    parser.add_argument("--run-id", default=None, help="override config run_id")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("steps", args.steps), ("run_id", args.run_id)) if v is not None}
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summaries = post_train(config)
+    print(f"post_train {config.run_id}: {len(summaries)} step(s) run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Checkpoint publication to object storage, with a manifest written last.
+
+Layout: ``s3://{bucket}/{prefix}/{run_id}/checkpoints/v{N}/`` holds HF safetensors files and
+``manifest.json`` (sha256 and size per file, parent version, training step, dtype). The manifest
+is uploaded after every file, so a reader that trusts only a complete manifest never sees a
+half-published checkpoint. A version is never reused: publishing over an existing manifest fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be published or trusted; names the URI and the file."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_uri(bucket: str, prefix: str, run_id: str, version: int) -> str:
+    """Folder URI of checkpoint version ``version``."""
+    return f"s3://{bucket}/{prefix}/{run_id}/checkpoints/v{version}"
+
+
+def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, step: int, dtype: str) -> dict:
+    """Upload every file of ``local_dir`` to ``uri``, then the manifest; returns the manifest.
+
+    Raises:
+        CheckpointError: ``uri`` already has a manifest (versions are never reused), or
+            ``local_dir`` has no safetensors file.
+    """
+    fs.invalidate_cache()
+    if fs.exists(f"{uri}/{MANIFEST}"):
+        raise CheckpointError(f"{uri}/{MANIFEST}: version {version} is already published; versions are never reused")
+    files = sorted(p for p in local_dir.iterdir() if p.is_file())
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise CheckpointError(f"{local_dir}: no .safetensors file to publish")
+    start = time.monotonic()
+    entries = {}
+    for p in files:
+        fs.put_file(str(p), f"{uri}/{p.name}")
+        entries[p.name] = {"sha256": _sha256(p), "size": p.stat().st_size}
+    manifest = {"version": version, "parent_version": parent_version, "step": step, "dtype": dtype,
+                "files": entries, "published_at": time.time(), "upload_s": time.monotonic() - start}
+    fs.pipe_file(f"{uri}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def read_manifest(fs, uri: str) -> dict:
+    """The manifest of a published checkpoint.
+
+    Raises:
+        CheckpointError: no manifest (unpublished or half-published) or it is not valid JSON.
+    """
+    fs.invalidate_cache()
+    path = f"{uri}/{MANIFEST}"
+    if not fs.exists(path):
+        raise CheckpointError(f"{path}: no manifest; the checkpoint is not (completely) published")
+    try:
+        return json.loads(fs.cat_file(path))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: manifest is not valid JSON: {e}") from e
+
+
+def fetch(fs, uri: str, local_dir: Path) -> dict:
+    """Download a published checkpoint and verify every file against its manifest.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: missing manifest, or a file whose size or sha256 differs.
+    """
+    manifest = read_manifest(fs, uri)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    for name, meta in manifest["files"].items():
+        dest = local_dir / name
+        fs.get_file(f"{uri}/{name}", str(dest))
+        if dest.stat().st_size != meta["size"] or _sha256(dest) != meta["sha256"]:
+            raise CheckpointError(f"{uri}/{name}: content does not match the manifest's size/sha256")
+    return manifest
+
+
+def published_versions(fs, bucket: str, prefix: str, run_id: str) -> list[int]:
+    """Versions of the run that have a complete manifest, ascending."""
+    fs.invalidate_cache()
+    root = f"{bucket}/{prefix}/{run_id}/checkpoints"
+    if not fs.exists(root):
+        return []
+    versions = []
+    for path in fs.glob(f"{root}/v*/{MANIFEST}"):
+        name = path.split("/")[-2]
+        if name[1:].isdigit():
+            versions.append(int(name[1:]))
+    return sorted(versions)

@@ -1,0 +1,66 @@
+"""Prefect task: build the run's environments and store the catalog (``envs.json``)."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.assets import add_asset_metadata, materialize
+from prefect.cache_policies import NO_CACHE
+
+from infra.config import RunConfig
+from infra.environments import build_catalog, catalog_to_json, load_tasks
+from tasks.runtime import resolve_path, run_uri, runtime
+
+
+def image_asset(image: str) -> str:
+    """Asset key of a task image."""
+    return f"docker://{image}"
+
+
+@task(name="build_envs", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+def build_envs(config: RunConfig) -> str:
+    """Load every task, build images (keyed by build-context hash), write ``envs.json``; returns its URI.
+
+    Tasks that fail to load or build are listed as unusable with the reason; the flow goes on.
+    """
+    rt = runtime(config)
+    t = config.tasks
+    tasks, split, errors = load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids,
+                                      t.humaneval_train, t.humaneval_eval)
+    entries, logs = build_catalog(rt.backend, tasks, split)
+    catalog = catalog_to_json(entries, errors)
+    uri = f"{run_uri(config)}/envs.json"
+    rt.fs.pipe_file(uri, json.dumps(catalog, indent=1).encode())
+    log = get_run_logger()
+    for e in entries:
+        if not e.usable:
+            log.warning("task %s unusable: %s\n%s", e.task_id, e.reason, logs.get(e.task_id, "")[-2000:])
+    for err in errors:
+        log.warning("task folder not loaded: %s", err)
+    create_table_artifact(
+        key=f"{config.run_id.lower().replace('_', '-').replace('.', '-')}-envs",
+        table=[{"task": e.task_id, "split": e.split, "image": e.image, "built": e.built, "usable": e.usable,
+                "reason": e.reason} for e in entries if e.image != "agentrl-base:bookworm" or not e.usable],
+        description=f"Environments of run {config.run_id}: {sum(e.usable for e in entries)}/{len(entries)} usable",
+    )
+    return uri
+
+
+def materialize_task_images(config: RunConfig, catalog_uri: str) -> list[str]:
+    """Record one asset materialization per usable task image (the lineage roots); returns the asset keys.
+
+    Image assets are only known once the catalog exists, so the materializing task is made here.
+    """
+    catalog = runtime(config).load_catalog(catalog_uri)
+    images = {e["image"]: e for e in catalog["tasks"] if e["usable"]}
+    keys = [image_asset(image) for image in images]
+
+    def record() -> None:
+        for image, e in images.items():
+            add_asset_metadata(image_asset(image), {"digest": e["image_digest"], "catalog": catalog_uri})
+
+    if keys:
+        materialize(*keys, by="docker", cache_policy=NO_CACHE)(record).with_options(name="task_images")()
+    return keys

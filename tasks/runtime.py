@@ -1,0 +1,123 @@
+"""Process-wide live resources of a run: storage, Docker backend, task catalog, engine, trainer.
+
+Prefect tasks pass URIs between them; the heavy objects that must live across stages (the vLLM
+engine holding the policy, the DeepSpeed engine holding the optimizer state) stay here, one set
+per run id, created on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from envs.task import Task
+from infra.config import RunConfig
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def repo_root() -> Path:
+    """The project's root folder (relative config paths resolve against it)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def work_dir(run_id: str) -> Path:
+    """Local scratch for a run (exported and fetched checkpoints): ``$AGENTRL_STATE/work/{run_id}``."""
+    state = Path(os.environ.get("AGENTRL_STATE", repo_root() / ".state"))
+    path = state / "work" / run_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_uri(config: RunConfig) -> str:
+    """``s3://bucket/prefix/run_id``."""
+    return f"s3://{config.storage.bucket}/{config.storage.prefix}/{config.run_id}"
+
+
+@dataclass
+class Runtime:
+    """Live resources of one run in this process."""
+
+    config: RunConfig
+    fs: object
+    policy_dir: str = ""
+    policy_version: int = 0
+    tasks: dict[str, Task] = field(default_factory=dict)
+    catalog: dict = field(default_factory=dict)
+    _backend: object = None
+    _engine: object = None
+    _trainer: object = None
+
+    @property
+    def backend(self):
+        """The Docker sandbox backend (connects on first use)."""
+        if self._backend is None:
+            from infra.sandbox.docker_backend import DockerBackend
+
+            self._backend = DockerBackend()
+        return self._backend
+
+    @property
+    def engine(self):
+        """The vLLM rollout engine serving ``policy_dir`` at ``policy_version``."""
+        if self._engine is None:
+            from infra.rollout.engine import VLLMEngine
+
+            m = self.config.model
+            self._engine = VLLMEngine(self.policy_dir, dtype=m.serving_dtype, max_model_len=m.max_model_len,
+                                      kv_cache_gib=m.kv_cache_gib, seed=self.config.rollout.seed,
+                                      policy_version=self.policy_version)
+        return self._engine
+
+    @property
+    def trainer(self):
+        """The DeepSpeed GRPO trainer, started from ``policy_dir``."""
+        if self._trainer is None:
+            from infra.train.trainer import GRPOTrainer
+
+            t = self.config.train
+            self._trainer = GRPOTrainer(self.policy_dir, lr=t.lr, zero_stage=t.zero_stage, grad_clip=t.grad_clip,
+                                        micro_batch_rows=t.micro_batch_rows, tis_cap=t.tis_cap,
+                                        temperature=self.config.rollout.temperature, scale_by_std=t.scale_by_std,
+                                        mask_truncated=t.mask_truncated, max_seq_len=t.max_seq_len)
+        return self._trainer
+
+    def load_catalog(self, catalog_uri: str) -> dict:
+        """Read ``envs.json`` (once) and load the task objects it names."""
+        if not self.catalog:
+            from infra.environments import load_tasks
+
+            self.fs.invalidate_cache()
+            self.catalog = json.loads(self.fs.cat_file(catalog_uri))
+            t = self.config.tasks
+            self.tasks, _, _ = load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids,
+                                          t.humaneval_train, t.humaneval_eval)
+        return self.catalog
+
+
+def resolve_path(path: str) -> Path:
+    """A config path: absolute, or relative to the repo root."""
+    p = Path(path)
+    return p if p.is_absolute() else repo_root() / p
+
+
+def runtime(config: RunConfig) -> Runtime:
+    """The run's runtime in this process (created with its storage connection on first call).
+
+    Raises:
+        StorageError: the S3 endpoint is unset or unreachable, or the bucket is missing.
+    """
+    rt = _RUNTIMES.get(config.run_id)
+    if rt is None or rt.config != config:
+        from infra.storage import s3_filesystem
+
+        rt = Runtime(config, s3_filesystem(config.storage.bucket))
+        _RUNTIMES[config.run_id] = rt
+    return rt
+
+
+def close_runtime(run_id: str) -> None:
+    """Drop a run's live resources (engine, trainer) from this process."""
+    _RUNTIMES.pop(run_id, None)
