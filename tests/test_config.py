@@ -1,0 +1,46 @@
+"""Run configs: every shipped config parses; bad ones get errors naming file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError, RunConfig, load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_parses(path):
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[rollout]\ngroup_sise = 4\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key 'rollout.group_sise'"):
+        load_config(p)
+
+
+def test_out_of_range_value_is_named(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[rollout]\ngroup_size = 0\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: field 'rollout.group_size'.*greater than or equal to 1"):
+        load_config(p)
+
+
+def test_not_toml_and_missing(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("steps = = 2\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_overrides_apply_and_validate():
+    cfg = load_config(CONFIGS[0], steps=1, run_id="x1")
+    assert cfg.steps == 1 and cfg.run_id == "x1"
+    with pytest.raises(ConfigError, match="run_id"):
+        load_config(CONFIGS[0], run_id="has space")

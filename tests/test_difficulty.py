@@ -1,0 +1,39 @@
+"""Task selection from pass rates."""
+
+from __future__ import annotations
+
+from infra.difficulty import pass_stats, select_tasks
+
+
+def _records(task, outcomes, step0=0):
+    return [(task, step0 + i, 1.0 if o == "success" else 0.0, o) for i, o in enumerate(outcomes)]
+
+
+def test_stats_ignore_infra_failures_and_use_recent_window():
+    recs = _records("a", ["model_failure"] * 6 + ["success"] * 4 + ["infra_failure"] * 3)
+    s = pass_stats(recs, window=4)["a"]
+    assert (s.attempts, s.passes, s.recent_attempts, s.recent_passes) == (10, 4, 4, 4)
+
+
+def test_saturated_and_hopeless_skipped_new_tasks_explored():
+    recs = (_records("sat", ["success"] * 8) + _records("hope", ["model_failure"] * 20)
+            + _records("mid", ["success", "model_failure"] * 4) + _records("rare", ["model_failure"]))
+    stats = pass_stats(recs, window=8)
+    sel = select_tasks(["sat", "hope", "mid", "rare", "new"], stats, count=10, window=8,
+                       hopeless_min_attempts=16, explore_min_attempts=4, seed=0)
+    assert sel.skipped == {"sat": "saturated", "hope": "hopeless"}
+    # rarely tried and new tasks come first (exploration floor), then by p(1-p)
+    assert set(sel.chosen[:2]) == {"rare", "new"} and sel.chosen[2] == "mid"
+
+
+def test_count_and_seed_determinism():
+    ids = [f"t{i}" for i in range(10)]
+    a = select_tasks(ids, {}, 3, 8, 16, 4, seed=1)
+    b = select_tasks(ids, {}, 3, 8, 16, 4, seed=1)
+    assert a.chosen == b.chosen and len(a.chosen) == 3
+
+
+def test_all_skipped_falls_back_rather_than_empty_step():
+    stats = pass_stats(_records("sat", ["success"] * 8), window=8)
+    sel = select_tasks(["sat"], stats, 2, 8, 16, 4, seed=0)
+    assert sel.chosen == ["sat"]

@@ -1,0 +1,105 @@
+"""Docker sandboxes and task images on a real dockerd: isolation basics, deadlines, verification."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from envs.task import Outcome
+from envs.terminal_bench import load_terminal_task, load_terminal_tasks
+from envs.verify import verify_terminal
+from infra.environments import BASE_IMAGE
+
+TERMINAL = Path(__file__).parent.parent / "envs" / "terminal"
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def sandbox(backend):
+    box = backend.start(BASE_IMAGE, {"agentrl.test": "sandbox"})
+    yield box
+    box.close()
+
+
+def test_command_deadline_is_reported_not_raised(sandbox):
+    r = sandbox.exec("sleep 5", timeout_s=1)
+    assert r.timed_out and r.exit_code == 137 and r.duration_s < 4
+    ok = sandbox.exec("echo hi; exit 3", timeout_s=5)
+    assert (ok.exit_code, ok.output.strip(), ok.timed_out) == (3, "hi", False)
+
+
+def test_no_network_no_caps(sandbox):
+    r = sandbox.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)\"", 10)
+    assert r.exit_code != 0 and "unreachable" in r.output.lower()
+    assert sandbox.exec("cat /proc/self/status | grep CapEff", 5).output.split()[-1] == "0000000000000000"
+
+
+def test_vanished_container_is_infra_error(backend):
+    from infra.sandbox.base import SandboxInfraError
+
+    box = backend.start(BASE_IMAGE, {"agentrl.test": "vanish"})
+    subprocess.run(["docker", "rm", "-f", box.sandbox_id], check=True, capture_output=True)
+    with pytest.raises(SandboxInfraError) as err:
+        box.exec("true", 5)
+    assert err.value.reason in ("container_vanished", "docker_api_error")
+    box.close()
+
+
+def test_image_tag_follows_build_context_and_excludes_hidden_files(backend, tmp_path):
+    ctx = tmp_path / "t"
+    shutil.copytree(TERMINAL / "hello-file", ctx)
+    tag1, built1, _ = backend.build_image("test-hash", ctx)
+    tag2, built2, _ = backend.build_image("test-hash", ctx)
+    assert tag1 == tag2 and not built2  # unchanged context: no rebuild
+    (ctx / "tests" / "test_outputs.py").write_text("# hidden tests changed\n")
+    (ctx / "solution.sh").write_text("echo changed\n")
+    assert backend.build_image("test-hash", ctx)[0] == tag1  # hidden files are not part of the context
+    (ctx / "Dockerfile").write_text((ctx / "Dockerfile").read_text() + "\nRUN echo v2 > /etc/v2\n")
+    tag3, built3, _ = backend.build_image("test-hash", ctx)
+    assert tag3 != tag1 and built3
+    box = backend.start(tag3, {"agentrl.test": "hidden"})
+    try:
+        assert box.exec("ls /tests /app/tests /app/solution.sh 2>&1; true", 5).output.count("No such file") == 3
+    finally:
+        box.close()
+    for tag in (tag1, tag3):
+        backend.client.images.remove(tag, force=True)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TERMINAL.iterdir() if p.is_dir()))
+def test_reference_solution_passes_and_doing_nothing_fails(backend, name):
+    task = load_terminal_task(TERMINAL / name)
+    tag, _, _ = backend.build_image(name, task.build_context)
+    solved = backend.start(tag, {"agentrl.test": "validate"})
+    idle = backend.start(tag, {"agentrl.test": "validate"})
+    try:
+        solved.put_file((task.build_context / "solution.sh").read_bytes(), "/tmp/solution.sh")
+        assert solved.exec("bash /tmp/solution.sh", 30).exit_code == 0
+        verdict = verify_terminal(solved, task)
+        assert verdict.outcome == Outcome.SUCCESS and verdict.reward == 1.0, verdict.log
+        verdict = verify_terminal(idle, task)
+        assert verdict.outcome == Outcome.MODEL_FAILURE and verdict.reward == 0.0
+    finally:
+        solved.close()
+        idle.close()
+
+
+def test_agent_made_tests_dir_is_replaced(backend):
+    task = load_terminal_tasks(TERMINAL)[0][0]
+    tag, _, _ = backend.build_image(task.task_id.removeprefix("tb/"), task.build_context)
+    box = backend.start(tag, {"agentrl.test": "tamper"})
+    try:
+        box.exec("mkdir -p /tests && echo 'def test_x(): pass' > /tests/test_outputs.py", 5)
+        assert verify_terminal(box, task).reward == 0.0  # the hidden tests replaced the agent's
+    finally:
+        box.close()
+
+
+def test_reaper_removes_labelled_containers(backend):
+    for _ in range(2):
+        backend.start(BASE_IMAGE, {"agentrl.test": "reap"})
+    assert backend.reap({"agentrl.test": "reap"}) == 2
+    assert backend.reap({"agentrl.test": "reap"}) == 0

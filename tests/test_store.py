@@ -1,0 +1,92 @@
+"""Trajectory store: schema enforced on write, atomic step files on a real SeaweedFS."""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow.parquet as pq
+import pytest
+
+from infra.storage import StorageError, s3_filesystem
+from infra.store import TRAJECTORY_SCHEMA, SchemaError, read_history, read_step, step_uri, validate_rows, write_step
+
+
+def make_row(**over):
+    row = {name: None for name in TRAJECTORY_SCHEMA.names}
+    row.update(run_id="r", step=0, episode_id="e0", task_id="tb/x", group_id="r/0/tb/x", sample_index=0, attempt=0,
+               token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -1.0],
+               policy_versions=[-1, -1, 3, 4], min_policy_version=3, max_policy_version=4, prompt_tokens=2,
+               completion_tokens=2, reward=1.0, outcome="success", reason="tests_passed", stop_reason="stop",
+               agent_end="done", num_turns=1, commands=[], image="img", image_digest="sha256:x", seed=1,
+               temperature=1.0, top_p=1.0, max_tokens=8, queue_s=0.0, sandbox_acquire_s=0.1, generation_s=0.2,
+               tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s")
+    row.update(over)
+    return row
+
+
+def test_validate_rows_invariants():
+    validate_rows([make_row()])
+    with pytest.raises(SchemaError, match="'loss_mask' has 3 entries, token_ids has 4"):
+        validate_rows([make_row(loss_mask=[0, 1, 1])])
+    with pytest.raises(SchemaError, match="min/max_policy_version 0/4 != tokens' 3/4"):
+        validate_rows([make_row(min_policy_version=0)])
+    with pytest.raises(SchemaError, match="unknown columns \\['extra'\\]"):
+        validate_rows([make_row(extra=1)])
+    with pytest.raises(SchemaError, match="NaN rollout logprob"):
+        validate_rows([make_row(rollout_logprobs=[0.0, 0.0, float("nan"), -1.0])])
+
+
+@pytest.mark.integration
+def test_write_read_roundtrip_keeps_types_and_empty_lists(s3):
+    uri = step_uri("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}", 3)
+    rows = [make_row(), make_row(episode_id="e1", sample_index=1, commands=["ls", "cat x"])]
+    write_step(s3, uri, rows)
+    table = read_step(s3, uri)
+    assert table.schema.equals(TRAJECTORY_SCHEMA)
+    back = table.to_pylist()
+    assert back[0]["commands"] == [] and back[1]["commands"] == ["ls", "cat x"]
+    assert back[0]["policy_versions"] == [-1, -1, 3, 4]
+
+
+@pytest.mark.integration
+def test_type_mismatch_rejected_and_nothing_written(s3):
+    uri = step_uri("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}", 0)
+    with pytest.raises(SchemaError, match="do not match the trajectory schema"):
+        write_step(s3, uri, [make_row(reward="high")])
+    assert not s3.exists(uri)
+
+
+@pytest.mark.integration
+def test_crash_mid_write_leaves_no_partial_object(s3, monkeypatch):
+    run = f"store-{uuid.uuid4().hex[:8]}"
+    good = step_uri("agentrl", "test", run, 0)
+    write_step(s3, good, [make_row()])
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(pq, "write_table", crash)
+    uri = step_uri("agentrl", "test", run, 1)
+    with pytest.raises(KeyboardInterrupt):
+        write_step(s3, uri, [make_row()])
+    monkeypatch.undo()
+    s3.invalidate_cache()
+    assert not s3.exists(uri)
+    hist = read_history(s3, "agentrl", "test", run, ["task_id", "step"])
+    assert hist.num_rows == 1  # the committed step is intact, nothing half-written is visible
+
+
+@pytest.mark.integration
+def test_unreachable_endpoint_names_it(monkeypatch, services_env):
+    monkeypatch.setenv("AGENTRL_S3_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(StorageError, match=r"S3 endpoint http://127.0.0.1:9 not reachable"):
+        s3_filesystem("agentrl")
+    monkeypatch.delenv("AGENTRL_S3_ENDPOINT")
+    with pytest.raises(StorageError, match="AGENTRL_S3_ENDPOINT is not set"):
+        s3_filesystem("agentrl")
+
+
+@pytest.mark.integration
+def test_missing_bucket_names_it(services_env):
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-x' does not exist"):
+        s3_filesystem("no-such-bucket-x")
