@@ -26,13 +26,15 @@ from tasks.rollouts import collect_rollouts
 from tasks.runtime import runtime
 from tasks.train import train_step
 
+DEFAULT_CONFIG = RunConfig()
+
 
 def _artifact_key(run_id: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in run_id.lower()) + "-steps"
 
 
 @flow(name="post_train", log_prints=True)
-def post_train(config: RunConfig = RunConfig()) -> list[dict]:
+def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     """Run ``config.steps`` GRPO steps of agentic RL post-training; returns one summary per step run.
 
     Summary keys: step, time_to_batch_s, reward_mean, outcomes, policy_lag_max, logprob_abs_diff,

@@ -80,9 +80,10 @@ def prepare_smollm2(out: Path | None = None) -> Path:
 
 
 def build_tiny_llama(out: Path, seed: int = 0) -> Path:
-    """A tiny random Llama (2 layers, hidden 128, head dim 64: vLLM CPU attention has no kernel for head dim 16) with a byte-level BPE tokenizer and ChatML template.
+    """A tiny random Llama with a byte-level BPE tokenizer (vocab 512) and a ChatML template.
 
-    Used by tests: real vLLM and DeepSpeed run it in seconds. About 600 KB.
+    2 layers, hidden 128, head dim 64 (vLLM's CPU attention has no kernel for head dim 16).
+    Used by tests: real vLLM and DeepSpeed run it in seconds. About 1 MB.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -96,7 +97,8 @@ def build_tiny_llama(out: Path, seed: int = 0) -> Path:
     tok.decoder = decoders.ByteLevel()
     corpus = ["def f(x):\n    return x + 1\n", "ls -la /app\ncat file.txt\necho hello > hello.txt\n",
               "You are an agent working in a Linux shell. Reply with one command in a ```bash block.",
-              "The quick brown fox jumps over the lazy dog. 0123456789 {}[]()<>=+-*/_.,:;'\"!?#$%&|~`@^\\"] * 50
+              "The quick brown fox jumps over the lazy dog. 0123456789",
+              "{}[]()<>=+-*/_.,:;'\"!?#$%&|~`@^\\"] * 50
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",

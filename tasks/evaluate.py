@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
 from infra.evaluate import eval_report
-from infra.rollout.collector import CollectSettings, Collector
+from infra.rollout.collector import Collector, CollectSettings
 from tasks.runtime import runtime
 
 

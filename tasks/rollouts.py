@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
-from infra.rollout.collector import CollectSettings, Collector
+from infra.rollout.collector import Collector, CollectSettings
 from infra.store import step_uri, write_step
 from tasks.runtime import runtime
 

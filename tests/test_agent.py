@@ -32,7 +32,8 @@ def test_second_turn_prompt_is_first_turn_plus_sampled_plus_template(tiny_tokeni
     second = first + sampled + cont
     # The rendered two-turn conversation is exactly what the ids spell out
     expected = tiny_tokenizer.apply_chat_template(
-        [*messages, {"role": "assistant", "content": "```bash\nls\n```"}, {"role": "user", "content": "a.txt\n[exit code 0]"}],
+        [*messages, {"role": "assistant", "content": "```bash\nls\n```"},
+         {"role": "user", "content": "a.txt\n[exit code 0]"}],
         tokenize=False, add_generation_prompt=True)
     assert tiny_tokenizer.decode(second) == expected
     # and the prompt of the second turn ends with the assistant header generation saw

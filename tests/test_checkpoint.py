@@ -7,7 +7,14 @@ import uuid
 
 import pytest
 
-from infra.checkpoint import CheckpointError, checkpoint_uri, fetch, publish, published_versions, read_manifest
+from infra.checkpoint import (
+    CheckpointError,
+    checkpoint_uri,
+    fetch,
+    publish,
+    published_versions,
+    read_manifest,
+)
 
 
 @pytest.fixture
@@ -26,7 +33,8 @@ def test_publish_fetch_roundtrip(s3, export_dir, tmp_path):
     m = publish(s3, export_dir, uri, version=1, parent_version=0, step=0, dtype="float32")
     assert m["files"]["model.safetensors"]["size"] == 1000
     # sha256 of 1000 zero bytes
-    assert m["files"]["model.safetensors"]["sha256"] == "541b3e9daa09b20bf85fa273e5cbd3e80185aa4ec298e765db87742b70138a53"
+    zeros_sha256 = "541b3e9daa09b20bf85fa273e5cbd3e80185aa4ec298e765db87742b70138a53"
+    assert m["files"]["model.safetensors"]["sha256"] == zeros_sha256
     assert read_manifest(s3, uri)["parent_version"] == 0
     got = fetch(s3, uri, tmp_path / "fetched")
     assert got["version"] == 1 and (tmp_path / "fetched" / "model.safetensors").read_bytes() == b"\x00" * 1000

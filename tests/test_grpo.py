@@ -49,7 +49,7 @@ def test_advantage_input_errors():
 def test_tempered_logprob_matches_sampling_distribution():
     # logits [2, 1, 0] at T=0.5 -> log_softmax([4, 2, 0])[0] = -log(1 + e^-2 + e^-4) = -0.14293
     logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]])
-    lp = token_logprobs(logits, torch.tensor([[1, 0]]), temperature=0.5)
+    lp = token_logprobs(logits[:, :1], torch.tensor([[0]]), temperature=0.5)
     assert lp.shape == (1, 1)
     assert float(lp[0, 0]) == pytest.approx(-math.log(1 + math.exp(-2) + math.exp(-4)), abs=1e-6)
     assert float(lp[0, 0]) == pytest.approx(-0.1429, abs=1e-4)
@@ -58,7 +58,7 @@ def test_tempered_logprob_matches_sampling_distribution():
 def test_missing_rollout_logprob_is_neutral_and_counted():
     trainer = torch.tensor([[-0.5, -0.01, -1.0]], requires_grad=True)
     rollout = torch.tensor([[-0.4, float("nan"), -1.2]])
-    loss, m = tis_policy_loss(trainer, rollout, torch.tensor([1.0]), torch.ones(1, 3), 3, tis_cap=10.0)
+    loss, m = tis_policy_loss(trainer, rollout, torch.ones(1, 3), torch.ones(1, 3), 3, tis_cap=10.0)
     assert torch.isfinite(loss)
     loss.backward()
     # ratios exp(-0.1) = 0.905 and exp(0.2) = 1.221; the missing position has weight 1
@@ -69,7 +69,7 @@ def test_missing_rollout_logprob_is_neutral_and_counted():
 
 def test_tis_cap_truncates_weight():
     trainer = torch.tensor([[0.0]], requires_grad=True)
-    loss, m = tis_policy_loss(trainer, torch.tensor([[-2.0]]), torch.tensor([1.0]), torch.ones(1, 1), 1, tis_cap=2.0)
+    loss, m = tis_policy_loss(trainer, torch.tensor([[-2.0]]), torch.ones(1, 1), torch.ones(1, 1), 1, tis_cap=2.0)
     loss.backward()
     assert float(trainer.grad) == pytest.approx(-2.0)  # ratio e^2 = 7.39 capped at 2
     assert m["capped"] == 1.0
@@ -79,7 +79,7 @@ def test_loss_and_grad_independent_of_micro_batching():
     torch.manual_seed(0)
     lp_all = torch.randn(4, 6)
     rollout = lp_all + 0.05 * torch.randn(4, 6)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, 6)
     mask = (torch.rand(4, 6) > 0.3).float()
     total = int(mask.sum())
 
@@ -103,13 +103,13 @@ def test_masked_truncated_tokens_leave_denominator():
     lp = torch.zeros(2, 25 + 5, requires_grad=True)
     mask = torch.zeros(2, 30)
     mask[0, :25] = 1.0  # row 0 kept (25 tokens), row 1 (5 tokens) masked as truncated
-    loss, _ = tis_policy_loss(lp, torch.zeros(2, 30), torch.tensor([1.0, 1.0]), mask, int(mask.sum()), 2.0)
+    loss, _ = tis_policy_loss(lp, torch.zeros(2, 30), torch.ones(2, 30), mask, int(mask.sum()), 2.0)
     assert float(loss) == pytest.approx(-25 / 25)
 
 
 def test_everything_masked_gives_zero_loss_finite_grad():
     lp = torch.randn(2, 4, requires_grad=True)
-    loss, _ = tis_policy_loss(lp, torch.zeros(2, 4), torch.ones(2), torch.zeros(2, 4), 0, 2.0)
+    loss, _ = tis_policy_loss(lp, torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2, 4), 0, 2.0)
     loss.backward()
     assert float(loss) == 0.0
     assert torch.all(torch.isfinite(lp.grad)) and torch.all(lp.grad == 0)

@@ -70,8 +70,8 @@ def test_stored_rows(finished_run, s3):
         assert len(r["loss_mask"]) == len(r["rollout_logprobs"]) == len(r["policy_versions"]) == n
         assert r["prompt_tokens"] > 0 and r["completion_tokens"] == sum(r["loss_mask"]) > 0
         # every sampled token was produced by policy version 0; template/observation tokens carry -1
-        assert {v for v, m in zip(r["policy_versions"], r["loss_mask"]) if m} == {0}
-        assert {v for v, m in zip(r["policy_versions"], r["loss_mask"]) if not m} == {-1}
+        assert {v for v, m in zip(r["policy_versions"], r["loss_mask"], strict=True) if m} == {0}
+        assert {v for v, m in zip(r["policy_versions"], r["loss_mask"], strict=True) if not m} == {-1}
         assert (r["min_policy_version"], r["max_policy_version"]) == (0, 0)
         assert r["outcome"] in ("success", "model_failure", "infra_failure", "unknown") and r["reason"]
         assert r["image_digest"].startswith("sha256:") and r["sandbox_id"]

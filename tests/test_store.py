@@ -8,7 +8,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from infra.storage import StorageError, s3_filesystem
-from infra.store import TRAJECTORY_SCHEMA, SchemaError, read_history, read_step, step_uri, validate_rows, write_step
+from infra.store import (
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    read_history,
+    read_step,
+    step_uri,
+    validate_rows,
+    write_step,
+)
 
 
 def make_row(**over):

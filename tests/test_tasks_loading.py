@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from envs.humaneval import extract_program, load_humaneval
-from envs.terminal_bench import load_terminal_tasks
 from envs.task import TaskError
+from envs.terminal_bench import load_terminal_tasks
 from infra.environments import load_tasks
 
 TERMINAL = Path(__file__).parent.parent / "envs" / "terminal"

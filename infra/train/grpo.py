@@ -27,6 +27,7 @@ def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bo
         rewards: shape ``(R,)``, any float dtype.
         group_ids: ``R`` group ids.
         scale_by_std: GRPO's std normalisation (Shao et al. 2024); off gives Dr. GRPO.
+        eps: added to the std before dividing.
 
     Returns:
         Shape ``(R,)`` float32.
@@ -54,28 +55,30 @@ def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bo
     return adv.astype(np.float32)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of each next token under the tempered distribution ``softmax(logits / T)``.
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of each target token under the tempered distribution ``softmax(logits / T)``.
 
     Matches what the rollout engine sampled from (vLLM processed logprobs), so the importance
-    ratio is 1 at unchanged weights. Position ``t`` of the result scores ``token_ids[:, t + 1]``.
+    ratio is 1 at unchanged weights. The caller aligns positions: the logits that predict
+    ``targets[i]`` are ``logits[i]`` (for a sequence, logits at ``t`` predict token ``t + 1``).
 
     Args:
-        logits: ``(B, T, V)`` float.
-        token_ids: ``(B, T)`` int64.
+        logits: ``(..., V)`` float, any leading shape ``S``.
+        targets: ``S`` int64.
         temperature: > 0.
 
     Returns:
-        ``(B, T - 1)`` float32.
+        ``S`` float32.
     """
-    scaled = logits[:, :-1].float() / temperature
-    return torch.log_softmax(scaled, dim=-1).gather(-1, token_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    scaled = logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, total_tokens: int, tis_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level policy-gradient loss with a truncated importance-sampling correction.
 
+    All tensor arguments share one shape ``S`` (``(B, T)``, or ``(N,)`` for selected tokens).
     ``L = -(1/N) * sum_t m_t * min(exp(lp_t - lp_rollout_t), C) * A * exp(lp_t - sg(lp_t))``: the value
     equals ``-(1/N) sum m w A`` and the gradient ``-(1/N) sum m w A grad lp``, with ``w`` the capped
     ratio of trainer to behaviour policy, treated as a constant (Yao et al. 2025). ``N`` is the
@@ -84,10 +87,10 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
     and are left out of the mismatch metrics.
 
     Args:
-        logprobs: ``(B, T)`` trainer logprobs (with grad).
-        rollout_logprobs: ``(B, T)`` behaviour logprobs stored at rollout time.
-        advantages: ``(B,)`` one per row.
-        mask: ``(B, T)`` 1.0 for tokens in the loss.
+        logprobs: ``S`` trainer logprobs (with grad).
+        rollout_logprobs: ``S`` behaviour logprobs stored at rollout time (NaN = unknown).
+        advantages: ``S``, each token carries its row's advantage.
+        mask: ``S``, 1.0 for tokens in the loss.
         total_tokens: ``N`` (>= 0); 0 gives a zero loss with zero gradient.
         tis_cap: ``C >= 1``.
 
@@ -101,7 +104,7 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
     log_ratio = (logprobs.detach() - rollout) * known  # log pi_trainer/pi_rollout, 0 where unknown
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=tis_cap)
-    pg = weight * advantages[:, None] * torch.exp(logprobs - logprobs.detach())
+    pg = weight * advantages * torch.exp(logprobs - logprobs.detach())
     loss = -(pg * mask).sum() / max(total_tokens, 1)
     metrics = {
         "tokens": float(known.sum()),

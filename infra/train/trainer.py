@@ -2,9 +2,10 @@
 
 One step reads trajectory rows, keeps the eligible ones (not ``infra_failure``, not ``unknown``),
 computes group advantages, and runs micro-batches with a global token denominator, then one
-optimizer step. Gradient accumulation is caller-owned (``managed_gradient_accumulation=false``):
-each micro-batch's loss is already divided by the step's token count, so DeepSpeed must not
-rescale it.
+optimizer step. Logits are computed only at positions in the loss (sampled tokens): the
+``(B, T, V)`` logits of prompts and observations would dominate memory. Gradient accumulation
+is caller-owned (``managed_gradient_accumulation=false``): each micro-batch's loss is already
+divided by the step's token count, so DeepSpeed must not rescale it.
 """
 
 from __future__ import annotations
@@ -111,9 +112,14 @@ class GRPOTrainer:
                 mask[b, : n - 1] = torch.from_numpy(masks[i])
                 lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
                 rollout[b, : n - 1] = torch.from_numpy(lp[1:])
-            logits = self.engine(input_ids=ids, attention_mask=attn).logits
-            lp = token_logprobs(logits, ids, self.temperature)
-            loss, m = tis_policy_loss(lp, rollout, torch.from_numpy(adv[idx]), mask, total_tokens, self.tis_cap)
+            # Hidden states for every position, but the vocabulary projection only where a token
+            # is in the loss: prompts and observations never pay for (B, T, V) logits.
+            hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+            sel = mask.bool()
+            logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
+            lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
+            row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
+            loss, m = tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap)
             self.engine.backward(loss, scale_wrt_gas=False)
             loss_value += float(loss.detach())
             for k in sums:
