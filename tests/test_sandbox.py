@@ -103,3 +103,18 @@ def test_reaper_removes_labelled_containers(backend):
         backend.start(BASE_IMAGE, {"agentrl.test": "reap"})
     assert backend.reap({"agentrl.test": "reap"}) == 2
     assert backend.reap({"agentrl.test": "reap"}) == 0
+
+
+def test_failed_build_marks_task_unusable_others_go_on(backend, tmp_path):
+    from infra.environments import build_catalog
+
+    shutil.copytree(TERMINAL / "hello-file", tmp_path / "good")
+    shutil.copytree(TERMINAL / "hello-file", tmp_path / "broken")
+    (tmp_path / "broken" / "Dockerfile").write_text("FROM agentrl-base:bookworm\nRUN exit 3\n")
+    tasks, errors = load_terminal_tasks(tmp_path)
+    assert errors == []
+    entries, logs = build_catalog(backend, {t.task_id: t for t in tasks}, {t.task_id: "train" for t in tasks})
+    by_id = {e.task_id: e for e in entries}
+    assert by_id["tb/good"].usable and by_id["tb/good"].image_digest.startswith("sha256:")
+    assert not by_id["tb/broken"].usable and "image build failed" in by_id["tb/broken"].reason
+    assert "exit 3" in by_id["tb/broken"].reason or "returned a non-zero code" in by_id["tb/broken"].reason

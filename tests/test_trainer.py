@@ -48,3 +48,14 @@ def test_step_excludes_infra_failures_and_is_invariant_to_micro_batching(tiny_mo
     weights = load_file(out / "model.safetensors")
     assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights  # tied embeddings stay tied
     torch.testing.assert_close(weights["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+
+
+def test_step_without_signal_does_not_move_weights(tiny_model, tiny_tokenizer):
+    rows = [dict(r, reward=0.0, outcome="model_failure") for r in _rows(tiny_tokenizer)]
+    trainer = _trainer(tiny_model, micro_batch_rows=2)
+    before = {k: v.clone() for k, v in trainer.engine.module.state_dict().items()}
+    m = trainer.step(rows)
+    assert (m["rows_with_signal"], m["optimizer_step"], m["loss"]) == (0.0, 0.0, 0.0)
+    assert m["logprob_abs_diff"] > 0  # metrics still computed on every eligible row
+    after = trainer.engine.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -77,7 +77,9 @@ class GRPOTrainer:
         """Run one GRPO step on ``rows`` (trajectory rows as stored).
 
         Returns:
-            Metrics: ``rows_trained``, ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
+            Metrics: ``rows_trained``, ``rows_with_signal`` (non-zero advantage), ``optimizer_step``
+            (0 when no row carries signal: the step is skipped rather than moving weights on
+            optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
             (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``,
             ``missing_logprobs``, ``train_s``.
         """
@@ -97,42 +99,33 @@ class GRPOTrainer:
         sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "missing"), 0.0)
         loss_value = 0.0
         self.engine.train()
-        for lo in range(0, len(rows), self.micro_batch_rows):
-            idx = list(range(lo, min(lo + self.micro_batch_rows, len(rows))))
-            width = max(min(len(rows[i]["token_ids"]), self.max_seq_len) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((len(idx), width), dtype=torch.long)
-            mask = torch.zeros((len(idx), width - 1))
-            rollout = torch.zeros((len(idx), width - 1))
-            for b, i in enumerate(idx):
-                toks = rows[i]["token_ids"][: self.max_seq_len]
-                n = len(toks)
-                ids[b, :n] = torch.tensor(toks)
-                attn[b, :n] = 1
-                mask[b, : n - 1] = torch.from_numpy(masks[i])
-                lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
-                rollout[b, : n - 1] = torch.from_numpy(lp[1:])
-            # Hidden states for every position, but the vocabulary projection only where a token
-            # is in the loss: prompts and observations never pay for (B, T, V) logits.
-            hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
-            sel = mask.bool()
-            logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
-            lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
-            row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
-            loss, m = tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap)
-            self.engine.backward(loss, scale_wrt_gas=False)
-            loss_value += float(loss.detach())
-            for k in sums:
-                sums[k] += m[k]
-        self.engine.step()
-        self.steps_done += 1
+        # Rows with a zero advantage add exactly zero to the gradient; they keep their tokens in the
+        # denominator and get a forward pass without autograd, for the mismatch metrics only.
+        by_len = sorted(range(len(rows)), key=lambda i: len(rows[i]["token_ids"]))
+        grad_rows = [i for i in by_len if adv[i] != 0.0]
+        zero_rows = [i for i in by_len if adv[i] == 0.0]
+        for group, with_grad in ((grad_rows, True), (zero_rows, False)):
+            for lo in range(0, len(group), self.micro_batch_rows):
+                idx = group[lo: lo + self.micro_batch_rows]
+                with torch.set_grad_enabled(with_grad):
+                    loss, m = self._micro_batch(rows, idx, masks, adv, total_tokens)
+                if with_grad:
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                loss_value += float(loss.detach())
+                for k in sums:
+                    sums[k] += m[k]
+        if grad_rows:
+            self.engine.step()
+            self.steps_done += 1
         grad_norm = self.engine.get_global_grad_norm()
         tokens = max(sums["tokens"], 1.0)
         return {
             "rows_trained": float(len(rows)),
+            "rows_with_signal": float(len(grad_rows)),
+            "optimizer_step": float(bool(grad_rows)),
             "loss_tokens": float(total_tokens),
             "loss": loss_value,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": float(grad_norm) if grad_rows and grad_norm is not None else 0.0,
             "logprob_abs_diff": sums["abs_diff"] / tokens,
             "kl_k1": sums["k1"] / tokens,
             "kl_k3": sums["k3"] / tokens,
@@ -140,6 +133,31 @@ class GRPOTrainer:
             "missing_logprobs": sums["missing"],
             "train_s": time.monotonic() - start,
         }
+
+    def _micro_batch(self, rows: list[dict], idx: list[int], masks: list[np.ndarray], adv: np.ndarray,
+                     total_tokens: int):
+        """Loss and metric sums of rows ``idx`` (padded to the longest; logits only at loss positions)."""
+        import torch
+
+        width = max(min(len(rows[i]["token_ids"]), self.max_seq_len) for i in idx)
+        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), width - 1))
+        rollout = torch.zeros((len(idx), width - 1))
+        for b, i in enumerate(idx):
+            toks = rows[i]["token_ids"][: self.max_seq_len]
+            n = len(toks)
+            ids[b, :n] = torch.tensor(toks)
+            attn[b, :n] = 1
+            mask[b, : n - 1] = torch.from_numpy(masks[i])
+            lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
+            rollout[b, : n - 1] = torch.from_numpy(lp[1:])
+        hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+        sel = mask.bool()
+        logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
+        lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
+        row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
+        return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap)
 
     def export(self, out_dir: Path) -> Path:
         """Write the current weights as an HF safetensors folder (tied embeddings stay tied).
