@@ -19,7 +19,10 @@ SYSTEM_PROMPT = (
 )
 CODE_SYSTEM_PROMPT = "You are an expert Python programmer."
 
-_BLOCK = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# Fences pair left to right (an opening fence with any info string, then its closing fence), so a
+# closing fence is never mistaken for the opening of a new block.
+_FENCE = re.compile(r"```([^\n`]*)\n(.*?)(?:```|\Z)", re.DOTALL)
+_SHELL_LANGS = ("", "bash", "sh", "shell", "console")
 _DONE = re.compile(r"^\s*DONE\s*\.?\s*$", re.MULTILINE)
 OBSERVATION_LIMIT_CHARS = 2000
 
@@ -41,13 +44,14 @@ def initial_messages(task: Task) -> list[dict[str, str]]:
 def parse_action(reply: str) -> Action:
     """Parse one model reply.
 
-    A fenced bash block wins over ``DONE`` when both are present (the command runs first; the
+    The command is the first fenced block tagged bash/sh/shell/console or untagged (blocks in
+    other languages are skipped). A fenced bash block wins over ``DONE`` when both are present (the command runs first; the
     episode ends after it only if nothing else is asked). A reply with neither is neither a
     command nor done: the harness answers it with a format reminder.
     """
-    block = _BLOCK.search(reply)
-    if block and block.group(1).strip():
-        return Action(block.group(1).strip(), done=bool(_DONE.search(reply[block.end():])))
+    for block in _FENCE.finditer(reply):
+        if block.group(1).strip().lower() in _SHELL_LANGS and block.group(2).strip():
+            return Action(block.group(2).strip(), done=bool(_DONE.search(reply[block.end():])))
     return Action(None, done=bool(_DONE.search(reply)))
 
 

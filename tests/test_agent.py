@@ -12,6 +12,10 @@ def test_parse_action_command_done_and_neither():
     assert parse_action("DONE").done and parse_action("DONE").command is None
     b = parse_action("```sh\necho hi > x\n```\nDONE")
     assert b.command == "echo hi > x" and b.done
+    # a closing fence is not the opening of a new block; blocks in other languages are skipped
+    d = parse_action("```ines\nfoo\n```\n\nSo this works\n```python\nprint(1)\n```\n```bash\npwd\n```")
+    assert d.command == "pwd"
+    assert parse_action("```ines\nfoo\n```\n\nSo this seems to work").command is None
     c = parse_action("I think we should list files")
     assert c.command is None and not c.done
 
