@@ -45,9 +45,9 @@ def parse_action(reply: str) -> Action:
     """Parse one model reply.
 
     The command is the first fenced block tagged bash/sh/shell/console or untagged (blocks in
-    other languages are skipped). A fenced bash block wins over ``DONE`` when both are present (the command runs first; the
-    episode ends after it only if nothing else is asked). A reply with neither is neither a
-    command nor done: the harness answers it with a format reminder.
+    other languages are skipped). A command wins over ``DONE`` when both are present: the command
+    runs, and the episode ends after it when ``DONE`` follows the block. A reply with neither is
+    neither a command nor done: the harness answers it with a format reminder.
     """
     for block in _FENCE.finditer(reply):
         if block.group(1).strip().lower() in _SHELL_LANGS and block.group(2).strip():

@@ -90,6 +90,12 @@ class TrainConfig(_Strict):
     """Global gradient-norm clip."""
     tis_cap: float = Field(2.0, ge=1.0, le=100.0)
     """Truncated importance sampling cap C on the per-token ratio pi_trainer/pi_rollout."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or the row's whole likelihood ratio on every token."""
+    mask_ratio_low: float | None = Field(None, gt=0, lt=1)
+    """Mask tokens (token level) or rows (sequence level) whose ratio is below this; None = off."""
+    mask_ratio_high: float | None = Field(None, gt=1)
+    """Mask tokens or rows whose ratio is above this; None = off."""
     scale_by_std: bool = False
     """Divide group advantages by the group's std (GRPO as in Shao et al. 2024); off = Dr. GRPO."""
     mask_truncated: bool = False

@@ -58,7 +58,7 @@ def test_tempered_logprob_matches_sampling_distribution():
 def test_missing_rollout_logprob_is_neutral_and_counted():
     trainer = torch.tensor([[-0.5, -0.01, -1.0]], requires_grad=True)
     rollout = torch.tensor([[-0.4, float("nan"), -1.2]])
-    loss, m = tis_policy_loss(trainer, rollout, torch.ones(1, 3), torch.ones(1, 3), 3, tis_cap=10.0)
+    loss, m, _ = tis_policy_loss(trainer, rollout, torch.ones(1, 3), torch.ones(1, 3), 3, tis_cap=10.0)
     assert torch.isfinite(loss)
     loss.backward()
     # ratios exp(-0.1) = 0.905 and exp(0.2) = 1.221; the missing position has weight 1
@@ -69,7 +69,7 @@ def test_missing_rollout_logprob_is_neutral_and_counted():
 
 def test_tis_cap_truncates_weight():
     trainer = torch.tensor([[0.0]], requires_grad=True)
-    loss, m = tis_policy_loss(trainer, torch.tensor([[-2.0]]), torch.ones(1, 1), torch.ones(1, 1), 1, tis_cap=2.0)
+    loss, m, _ = tis_policy_loss(trainer, torch.tensor([[-2.0]]), torch.ones(1, 1), torch.ones(1, 1), 1, tis_cap=2.0)
     loss.backward()
     assert float(trainer.grad) == pytest.approx(-2.0)  # ratio e^2 = 7.39 capped at 2
     assert m["capped"] == 1.0
@@ -87,7 +87,7 @@ def test_loss_and_grad_independent_of_micro_batching():
         lp = lp_all.clone().requires_grad_(True)
         value = 0.0
         for lo, hi in splits:
-            loss, _ = tis_policy_loss(lp[lo:hi], rollout[lo:hi], adv[lo:hi], mask[lo:hi], total, 2.0)
+            loss, _, _ = tis_policy_loss(lp[lo:hi], rollout[lo:hi], adv[lo:hi], mask[lo:hi], total, 2.0)
             loss.backward()
             value += float(loss.detach())
         return value, lp.grad.clone()
@@ -103,13 +103,38 @@ def test_masked_truncated_tokens_leave_denominator():
     lp = torch.zeros(2, 25 + 5, requires_grad=True)
     mask = torch.zeros(2, 30)
     mask[0, :25] = 1.0  # row 0 kept (25 tokens), row 1 (5 tokens) masked as truncated
-    loss, _ = tis_policy_loss(lp, torch.zeros(2, 30), torch.ones(2, 30), mask, int(mask.sum()), 2.0)
+    loss, _, _ = tis_policy_loss(lp, torch.zeros(2, 30), torch.ones(2, 30), mask, int(mask.sum()), 2.0)
     assert float(loss) == pytest.approx(-25 / 25)
 
 
 def test_everything_masked_gives_zero_loss_finite_grad():
     lp = torch.randn(2, 4, requires_grad=True)
-    loss, _ = tis_policy_loss(lp, torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2, 4), 0, 2.0)
+    loss, _, _ = tis_policy_loss(lp, torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2, 4), 0, 2.0)
     loss.backward()
     assert float(loss) == 0.0
     assert torch.all(torch.isfinite(lp.grad)) and torch.all(lp.grad == 0)
+
+
+def test_sequence_level_weight_is_capped_product_of_token_ratios():
+    lp = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    rollout = torch.tensor([-0.1, -0.2, -1.0])
+    rows = torch.tensor([0, 0, 1])
+    loss, m, _ = tis_policy_loss(lp, rollout, torch.ones(3), torch.ones(3), 3, tis_cap=2.0, level="sequence",
+                                 row_ids=rows)
+    loss.backward()
+    # row 0: exp(0.1 + 0.2) = 1.3499 on both tokens; row 1: exp(1.0) = 2.718 capped at 2
+    np.testing.assert_allclose(lp.grad.numpy(), -np.array([math.exp(0.3), math.exp(0.3), 2.0]) / 3, rtol=1e-5)
+    assert m["capped"] == 1.0
+    with pytest.raises(ValueError, match="row_ids"):
+        tis_policy_loss(lp, rollout, torch.ones(3), torch.ones(3), 3, 2.0, level="sequence")
+
+
+def test_ratios_outside_thresholds_are_masked_and_counted():
+    lp = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    rollout = torch.tensor([-0.1, -3.0, 3.0])  # ratios 1.105, 20.1, 0.0498
+    loss, m, ratios = tis_policy_loss(lp, rollout, torch.ones(3), torch.ones(3), 3, tis_cap=2.0,
+                                      mask_low=0.5, mask_high=5.0)
+    loss.backward()
+    np.testing.assert_allclose(lp.grad.numpy(), -np.array([math.exp(0.1), 0.0, 0.0]) / 3, rtol=1e-5)
+    assert (m["masked"], m["capped"]) == (2.0, 0.0)
+    assert sorted(ratios.tolist()) == pytest.approx(sorted([math.exp(0.1), math.exp(3.0), math.exp(-3.0)]), rel=1e-5)

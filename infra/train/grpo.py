@@ -75,16 +75,25 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, total_tokens: int, tis_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level policy-gradient loss with a truncated importance-sampling correction.
+                    mask: torch.Tensor, total_tokens: int, tis_cap: float, level: str = "token",
+                    row_ids: torch.Tensor | None = None, mask_low: float | None = None,
+                    mask_high: float | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """Policy-gradient loss with a truncated importance-sampling correction, token-level aggregation.
 
     All tensor arguments share one shape ``S`` (``(B, T)``, or ``(N,)`` for selected tokens).
-    ``L = -(1/N) * sum_t m_t * min(exp(lp_t - lp_rollout_t), C) * A * exp(lp_t - sg(lp_t))``: the value
-    equals ``-(1/N) sum m w A`` and the gradient ``-(1/N) sum m w A grad lp``, with ``w`` the capped
-    ratio of trainer to behaviour policy, treated as a constant (Yao et al. 2025). ``N`` is the
-    number of loss tokens in the whole step, so the loss and its gradient do not depend on how the
-    step is split into micro-batches. Positions whose rollout logprob is NaN get weight 1 (neutral)
-    and are left out of the mismatch metrics.
+    ``L = -(1/N) * sum_t m_t * w_t * A * exp(lp_t - sg(lp_t))``: the value equals ``-(1/N) sum m w A``
+    and the gradient ``-(1/N) sum m w A grad lp``, with ``w`` the importance weight of trainer over
+    behaviour policy, treated as a constant (Yao et al. 2025):
+
+    - ``level="token"``: ``w_t = min(r_t, C)`` with ``r_t = exp(lp_t - lp_rollout_t)``;
+    - ``level="sequence"``: ``w_t = min(prod_{s in row} r_s, C)`` for every token of the row
+      (the sequence's likelihood ratio, computed in log space; needs ``row_ids``).
+
+    With ``mask_low``/``mask_high``, tokens (token level) or whole rows (sequence level) whose
+    ratio falls outside ``[mask_low, mask_high]`` get weight 0 (masked importance sampling); they stay
+    in ``N``. ``N`` is the number of loss tokens in the whole step, so the loss and its gradient do
+    not depend on how the step is split into micro-batches. Positions whose rollout logprob is NaN
+    get ratio 1 (neutral) and are left out of the mismatch metrics, but counted.
 
     Args:
         logprobs: ``S`` trainer logprobs (with grad).
@@ -93,17 +102,42 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         mask: ``S``, 1.0 for tokens in the loss.
         total_tokens: ``N`` (>= 0); 0 gives a zero loss with zero gradient.
         tis_cap: ``C >= 1``.
+        level: ``token`` or ``sequence``.
+        row_ids: ``S`` int64 row index of each token (sequence level only).
+        mask_low: ratios below it are masked (None: no lower mask).
+        mask_high: ratios above it are masked (None: no upper mask).
 
     Returns:
-        (loss scalar, metric sums over this micro-batch: ``tokens``, ``abs_diff``, ``k1``, ``k3``, ``capped``,
-        ``missing``; divide by ``tokens`` for means).
+        (loss scalar; metric sums over this micro-batch: ``tokens`` (known), ``abs_diff``, ``k1``, ``k3``,
+        ``capped``, ``masked``, ``missing``, divide by ``tokens`` for means; the token ratios at known
+        positions, 1-D, for quantiles).
+
+    Raises:
+        ValueError: unknown ``level``, or sequence level without ``row_ids``.
     """
     mask = mask.float()
     known = mask * (~torch.isnan(rollout_logprobs)).float()
     rollout = torch.nan_to_num(rollout_logprobs, nan=0.0)
     log_ratio = (logprobs.detach() - rollout) * known  # log pi_trainer/pi_rollout, 0 where unknown
     ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, max=tis_cap)
+    if level == "token":
+        weight_ratio = ratio
+    elif level == "sequence":
+        if row_ids is None:
+            raise ValueError("sequence-level importance sampling needs row_ids")
+        flat_ids = row_ids.reshape(-1)
+        seq_log = torch.zeros(int(flat_ids.max()) + 1 if flat_ids.numel() else 0, dtype=log_ratio.dtype)
+        seq_log.index_add_(0, flat_ids, log_ratio.reshape(-1))
+        weight_ratio = torch.exp(seq_log.clamp(max=50.0))[flat_ids].reshape(log_ratio.shape)
+    else:
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    weight = torch.clamp(weight_ratio, max=tis_cap)
+    outside = torch.zeros_like(weight, dtype=torch.bool)
+    if mask_low is not None:
+        outside |= weight_ratio < mask_low
+    if mask_high is not None:
+        outside |= weight_ratio > mask_high
+    weight = torch.where(outside, torch.zeros_like(weight), weight)
     pg = weight * advantages * torch.exp(logprobs - logprobs.detach())
     loss = -(pg * mask).sum() / max(total_tokens, 1)
     metrics = {
@@ -111,7 +145,8 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         "abs_diff": float((log_ratio.abs() * known).sum()),
         "k1": float((-log_ratio * known).sum()),  # E_rollout[log pi_rollout - log pi_trainer]
         "k3": float(((ratio - 1 - log_ratio) * known).sum()),
-        "capped": float(((ratio > tis_cap).float() * known).sum()),
+        "capped": float(((weight_ratio > tis_cap) & ~outside).float().mul(mask).sum()),
+        "masked": float((outside.float() * mask).sum()),
         "missing": float((mask - known).sum()),
     }
-    return loss, metrics
+    return loss, metrics, ratio[known.bool()]

@@ -38,7 +38,8 @@ class GRPOTrainer:
 
     def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
                  tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
-                 max_seq_len: int):
+                 max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
+                 mask_ratio_high: float | None = None):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
 
         Initializes torch.distributed (gloo) for a single process when it is not initialized yet.
@@ -68,6 +69,7 @@ class GRPOTrainer:
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
         self.micro_batch_rows = micro_batch_rows
         self.tis_cap, self.temperature = tis_cap, temperature
+        self.tis_level, self.mask_ratio_low, self.mask_ratio_high = tis_level, mask_ratio_low, mask_ratio_high
         self.scale_by_std, self.mask_truncated = scale_by_std, mask_truncated
         self.max_seq_len = max_seq_len
         self.pad_id = self.model.config.pad_token_id or 0
@@ -80,7 +82,8 @@ class GRPOTrainer:
             Metrics: ``rows_trained``, ``rows_with_signal`` (non-zero advantage), ``optimizer_step``
             (0 when no row carries signal: the step is skipped rather than moving weights on
             optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
-            (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``,
+            (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
+            (of loss tokens), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
             ``missing_logprobs``, ``train_s``.
         """
         import torch
@@ -96,7 +99,8 @@ class GRPOTrainer:
                 m = np.zeros_like(m)
             masks.append(m[1:])  # position 0 is never predicted
         total_tokens = int(sum(m.sum() for m in masks))
-        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "missing"), 0.0)
+        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing"), 0.0)
+        ratios = []
         loss_value = 0.0
         self.engine.train()
         # Rows with a zero advantage add exactly zero to the gradient; they keep their tokens in the
@@ -108,7 +112,8 @@ class GRPOTrainer:
             for lo in range(0, len(group), self.micro_batch_rows):
                 idx = group[lo: lo + self.micro_batch_rows]
                 with torch.set_grad_enabled(with_grad):
-                    loss, m = self._micro_batch(rows, idx, masks, adv, total_tokens)
+                    loss, m, r = self._micro_batch(rows, idx, masks, adv, total_tokens)
+                ratios.append(r.detach())
                 if with_grad:
                     self.engine.backward(loss, scale_wrt_gas=False)
                 loss_value += float(loss.detach())
@@ -119,6 +124,8 @@ class GRPOTrainer:
             self.steps_done += 1
         grad_norm = self.engine.get_global_grad_norm()
         tokens = max(sums["tokens"], 1.0)
+        all_ratios = torch.cat(ratios).numpy() if ratios else np.zeros(0)
+        q05, q50, q95 = np.quantile(all_ratios, [0.05, 0.5, 0.95]) if all_ratios.size else (1.0, 1.0, 1.0)
         return {
             "rows_trained": float(len(rows)),
             "rows_with_signal": float(len(grad_rows)),
@@ -129,7 +136,9 @@ class GRPOTrainer:
             "logprob_abs_diff": sums["abs_diff"] / tokens,
             "kl_k1": sums["k1"] / tokens,
             "kl_k3": sums["k3"] / tokens,
-            "tis_capped_frac": sums["capped"] / tokens,
+            "tis_capped_frac": sums["capped"] / max(total_tokens, 1),
+            "tis_masked_frac": sums["masked"] / max(total_tokens, 1),
+            "ratio_p05": float(q05), "ratio_p50": float(q50), "ratio_p95": float(q95),
             "missing_logprobs": sums["missing"],
             "train_s": time.monotonic() - start,
         }
@@ -157,7 +166,9 @@ class GRPOTrainer:
         logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
         lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
         row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
-        return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap)
+        row_ids = torch.arange(len(idx))[:, None].expand_as(mask)[sel]
+        return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap, level=self.tis_level,
+                               row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high)
 
     def export(self, out_dir: Path) -> Path:
         """Write the current weights as an HF safetensors folder (tied embeddings stay tied).
