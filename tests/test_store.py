@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -98,3 +99,31 @@ def test_unreachable_endpoint_names_it(monkeypatch, services_env):
 def test_missing_bucket_names_it(services_env):
     with pytest.raises(StorageError, match="bucket 'no-such-bucket-x' does not exist"):
         s3_filesystem("no-such-bucket-x")
+
+
+@pytest.mark.integration
+def test_empty_and_populated_lists_read_back_as_one_dataset(s3):
+    run = f"store-{uuid.uuid4().hex[:8]}"
+    write_step(s3, step_uri("agentrl", "test", run, 0), [make_row(commands=[]), make_row(episode_id="e1")])
+    write_step(s3, step_uri("agentrl", "test", run, 1), [make_row(step=1, commands=["ls", "pwd"])])
+    hist = read_history(s3, "agentrl", "test", run, ["step", "commands"])
+    assert hist.schema.field("commands").type == TRAJECTORY_SCHEMA.field("commands").type
+    assert hist.column("commands").to_pylist() == [[], [], ["ls", "pwd"]]  # empty lists stay lists, not nulls
+    assert hist.column("commands").null_count == 0
+
+
+@pytest.mark.integration
+def test_listing_sees_a_file_another_process_added(s3, services_env):
+    import subprocess
+    import sys
+
+    run = f"store-{uuid.uuid4().hex[:8]}"
+    write_step(s3, step_uri("agentrl", "test", run, 0), [make_row()])
+    assert read_history(s3, "agentrl", "test", run, ["step"]).num_rows == 1  # listing now cached by s3fs
+    code = (
+        "from infra.storage import s3_filesystem; from infra.store import write_step, step_uri;"
+        "from tests.test_store import make_row;"
+        f"write_step(s3_filesystem('agentrl'), step_uri('agentrl', 'test', '{run}', 1), [make_row(step=1)])"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parent.parent))
+    assert read_history(s3, "agentrl", "test", run, ["step"]).column("step").to_pylist() == [0, 1]
