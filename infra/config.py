@@ -82,6 +82,8 @@ class TrainConfig(_Strict):
 
     lr: float = Field(1e-6, gt=0, le=1.0)
     """AdamW learning rate."""
+    forward_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer forward/backward precision (match the serving dtype); master weights stay fp32."""
     zero_stage: int = Field(2, ge=0, le=3)
     """DeepSpeed ZeRO stage."""
     micro_batch_rows: int = Field(4, ge=1, le=1024)

@@ -83,7 +83,7 @@ class Runtime:
                                         temperature=self.config.rollout.temperature, scale_by_std=t.scale_by_std,
                                         mask_truncated=t.mask_truncated, max_seq_len=t.max_seq_len,
                                         tis_level=t.tis_level, mask_ratio_low=t.mask_ratio_low,
-                                        mask_ratio_high=t.mask_ratio_high)
+                                        mask_ratio_high=t.mask_ratio_high, forward_dtype=t.forward_dtype)
         return self._trainer
 
     def load_catalog(self, catalog_uri: str) -> dict:

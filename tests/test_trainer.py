@@ -21,11 +21,22 @@ def _rows(tokenizer):
     return rows
 
 
-def _trainer(model_dir, micro_batch_rows):
+def _trainer(model_dir, micro_batch_rows, zero_stage=2, forward_dtype="float32"):
     from infra.train.trainer import GRPOTrainer
 
-    return GRPOTrainer(str(model_dir), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=micro_batch_rows,
-                       tis_cap=2.0, temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=512)
+    return GRPOTrainer(str(model_dir), lr=1e-3, zero_stage=zero_stage, grad_clip=1e9,
+                       micro_batch_rows=micro_batch_rows, tis_cap=2.0, temperature=1.0, scale_by_std=False,
+                       mask_truncated=False, max_seq_len=512, forward_dtype=forward_dtype)
+
+
+def _assert_strict_export(trainer, out_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer.export(out_dir)
+    model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    return model
 
 
 def test_step_excludes_infra_failures_and_is_invariant_to_micro_batching(tiny_model, tiny_tokenizer, tmp_path):
@@ -42,12 +53,8 @@ def test_step_excludes_infra_failures_and_is_invariant_to_micro_batching(tiny_mo
     assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-7)
     assert m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
 
-    out = one.export(tmp_path / "export")
-    from safetensors.torch import load_file
-
-    weights = load_file(out / "model.safetensors")
-    assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights  # tied embeddings stay tied
-    torch.testing.assert_close(weights["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    model = _assert_strict_export(one, tmp_path / "export")
+    torch.testing.assert_close(model.model.embed_tokens.weight, after["model.embed_tokens.weight"])
 
 
 def test_step_without_signal_does_not_move_weights(tiny_model, tiny_tokenizer):
@@ -59,3 +66,40 @@ def test_step_without_signal_does_not_move_weights(tiny_model, tiny_tokenizer):
     assert m["logprob_abs_diff"] > 0  # metrics still computed on every eligible row
     after = trainer.engine.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(("zero_stage", "forward_dtype"), [(1, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_zero_stages_and_bf16_train_and_export_fp32(tiny_model, tiny_tokenizer, tmp_path, zero_stage, forward_dtype):
+    trainer = _trainer(tiny_model, micro_batch_rows=2, zero_stage=zero_stage, forward_dtype=forward_dtype)
+    m = trainer.step(_rows(tiny_tokenizer))
+    assert m["optimizer_step"] == 1.0 and m["grad_norm"] > 0 and m["loss"] == m["loss"]
+    if forward_dtype == "bfloat16":
+        assert next(trainer.engine.module.parameters()).dtype == torch.bfloat16
+        assert m["logprob_abs_diff"] > 1e-4  # bf16 forward differs from the fp32 numbers
+    model = _assert_strict_export(trainer, tmp_path / "export")
+    assert model.dtype == torch.float32
+    initial = _trainer_free_weights(tiny_model)
+    assert not torch.equal(model.model.embed_tokens.weight, initial)  # the update reached the export
+
+
+def _trainer_free_weights(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight
+
+
+def test_save_and_resume_is_exact(tiny_model, tiny_tokenizer, tmp_path):
+    rows = _rows(tiny_tokenizer)
+    batch_b = [dict(r, reward=1.0 - r["reward"]) for r in rows]
+    first = _trainer(tiny_model, micro_batch_rows=3)
+    first.step(rows)
+    first.save_state(tmp_path / "state", tag="step-1")
+    expected = first.step(batch_b)
+    resumed = _trainer(tiny_model, micro_batch_rows=3)
+    resumed.load_state(tmp_path / "state", tag="step-1")
+    got = resumed.step(batch_b)
+    assert got["loss"] == expected["loss"] and got["grad_norm"] == expected["grad_norm"]
+    a, b = first.fp32_state_dict(), resumed.fp32_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # optimizer moments were restored too
+    with pytest.raises(FileNotFoundError, match="no trainer state"):
+        resumed.load_state(tmp_path / "state", tag="step-9")

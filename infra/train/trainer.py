@@ -39,10 +39,12 @@ class GRPOTrainer:
     def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
                  tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
                  max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
-                 mask_ratio_high: float | None = None):
+                 mask_ratio_high: float | None = None, forward_dtype: str = "float32"):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
 
-        Initializes torch.distributed (gloo) for a single process when it is not initialized yet.
+        ``forward_dtype="bfloat16"`` runs forward and backward in bf16 (DeepSpeed ``bf16``), matching a
+        bf16 rollout engine, while the optimizer keeps fp32 master weights. Initializes
+        torch.distributed (gloo on CPU) for a single process when it is not initialized yet.
         """
         import deepspeed
         import torch
@@ -64,7 +66,9 @@ class GRPOTrainer:
             "zero_optimization": {"stage": zero_stage},
             "gradient_clipping": grad_clip,
             "steps_per_print": 10**9,
+            "bf16": {"enabled": forward_dtype == "bfloat16"},
         }
+        self.forward_dtype = forward_dtype
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
         self.micro_batch_rows = micro_batch_rows
@@ -170,16 +174,58 @@ class GRPOTrainer:
         return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap, level=self.tis_level,
                                row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high)
 
-    def export(self, out_dir: Path) -> Path:
-        """Write the current weights as an HF safetensors folder (tied embeddings stay tied).
+    def save_state(self, directory: Path, tag: str) -> None:
+        """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly."""
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"steps_done": self.steps_done})
 
-        With one process and ZeRO stage <= 2, the module holds the full float32 parameters.
+    def load_state(self, directory: Path, tag: str) -> None:
+        """Restore what :meth:`save_state` wrote (weights, optimizer moments, step counters).
 
         Raises:
-            NotImplementedError: ZeRO stage 3 (parameters are partitioned; gather before export).
+            FileNotFoundError: no checkpoint with that tag in ``directory``.
         """
-        if self.engine.zero_optimization_stage() == 3:
-            raise NotImplementedError("export under ZeRO-3 needs GatheredParameters; use stage <= 2")
+        if not (directory / tag).is_dir():
+            raise FileNotFoundError(f"{directory / tag}: no trainer state saved under this tag")
+        _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        self.steps_done = int((client_state or {}).get("steps_done", 0))
+
+    def fp32_state_dict(self) -> dict:
+        """Full float32 weights, whatever the ZeRO stage and forward dtype.
+
+        ZeRO <= 2 in fp32: the module's own parameters. Otherwise (bf16 forward, or ZeRO-3
+        partitions) the fp32 master weights through DeepSpeed's converter
+        (``get_fp32_state_dict_from_zero_checkpoint``), from a temporary checkpoint.
+        """
+        import tempfile
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        if self.forward_dtype == "float32" and self.engine.zero_optimization_stage() <= 2:
+            return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+        with tempfile.TemporaryDirectory() as tmp:
+            self.engine.save_checkpoint(tmp, tag="export")
+            return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="export")
+
+    def export(self, out_dir: Path) -> Path:
+        """Write the current fp32 weights as an HF safetensors folder; tied embeddings stay tied.
+
+        The folder loads with strict key matching (``from_pretrained`` reports no missing or
+        unexpected keys).
+
+        Raises:
+            RuntimeError: the state dict does not match the model's keys (beyond a tied lm_head).
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        state = self.fp32_state_dict()
+        with torch.device("meta"):
+            clean = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+        result = clean.load_state_dict(state, strict=False, assign=True)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if set(result.missing_keys) - tied or result.unexpected_keys:
+            raise RuntimeError(f"export: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+        clean.tie_weights()
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.engine.module.save_pretrained(out_dir, safe_serialization=True)
+        clean.save_pretrained(out_dir, safe_serialization=True)
         return out_dir
