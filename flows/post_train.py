@@ -37,8 +37,9 @@ def _artifact_key(run_id: str) -> str:
 def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     """Run ``config.steps`` GRPO steps of agentic RL post-training; returns one summary per step run.
 
-    Summary keys: step, time_to_batch_s, reward_mean, outcomes, policy_lag_max, logprob_abs_diff,
-    checkpoint, eval_pass_at_1, and per-stage seconds.
+    Summary keys: step, time_to_batch_s, reward_mean, outcomes, policy_lag_max, the mismatch and
+    importance-sampling metrics (logprob_abs_diff, kl_k1, kl_k3, ratio_p05/p95, tis_capped_frac,
+    tis_masked_frac), rows_with_signal, checkpoint, eval_pass_at_1, and per-stage seconds.
     """
     catalog_uri = build_envs(config)
     image_keys = materialize_task_images(config, catalog_uri)
@@ -70,7 +71,10 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "step": step, "time_to_batch_s": round(rollouts["time_to_batch_s"], 2),
             "reward_mean": round(rollouts["reward_mean"], 4), "outcomes": rollouts["outcomes"],
             "rows": rollouts["rows"], "policy_lag_max": metrics["policy_lag_max"],
-            "logprob_abs_diff": metrics["logprob_abs_diff"], "kl_k3": metrics["kl_k3"],
+            "logprob_abs_diff": metrics["logprob_abs_diff"], "kl_k1": metrics["kl_k1"], "kl_k3": metrics["kl_k3"],
+            "ratio_p05": metrics["ratio_p05"], "ratio_p95": metrics["ratio_p95"],
+            "tis_capped_frac": metrics["tis_capped_frac"], "tis_masked_frac": metrics["tis_masked_frac"],
+            "rows_with_signal": metrics["rows_with_signal"], "optimizer_step": metrics["optimizer_step"],
             "checkpoint": ckpt, "policy_version": loaded["version"], "reload_pause_s": round(loaded["pause_s"], 3),
             "eval_pass_at_1": report["pass_at_1"] if report else None,
             "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
@@ -90,7 +94,10 @@ def format_summary(s: dict) -> str:
     pass1 = "n/a" if s["eval_pass_at_1"] is None else f"{s['eval_pass_at_1']:.3f}"
     return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
             f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
-            f"logprob_mismatch={s['logprob_abs_diff']:.2e} checkpoint={s['checkpoint']} eval_pass@1={pass1} "
+            f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
+            f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
+            f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
+            f"checkpoint={s['checkpoint']} eval_pass@1={pass1} "
             f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "
             f"publish+load {s['publish_s']} eval {s['eval_s']})")
 
