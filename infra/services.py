@@ -545,9 +545,21 @@ def _ensure_weed(state: Path, s3_port: int | None) -> tuple[str, str, str]:
         pid_file.write_text(f"{pid}\n")
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + READY_TIMEOUT_S
+    restarted = False
     while not _http_answers(endpoint):
         if not _cmdline(pid):
-            raise RuntimeError(f"weed exited during start-up; {log_file} ends with:\n{_log_tail(log_file)}")
+            proc = _CHILDREN.get(pid)
+            code = proc.poll() if proc is not None else None
+            # Seen once right after another weed on the same ports stopped: it dies binding a port
+            # still held by the exiting process. Start it once more before giving up.
+            if not restarted and _spawned_here(pid):
+                restarted = True
+                time.sleep(3)
+                pid = _spawn(_CHILDREN[pid].args, log_file).pid
+                pid_file.write_text(f"{pid}\n")
+                continue
+            raise RuntimeError(f"weed exited during start-up (exit code {code}); {log_file} ends with:\n"
+                               f"{_log_tail(log_file)}")
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"S3 at {endpoint} did not answer in {READY_TIMEOUT_S:.0f} s; "
@@ -555,6 +567,11 @@ def _ensure_weed(state: Path, s3_port: int | None) -> tuple[str, str, str]:
             )
         time.sleep(0.2)
     return endpoint, key, secret
+
+
+def _spawned_here(pid: int) -> bool:
+    """Whether ``pid`` is a process this module spawned (so its argv can be reused)."""
+    return pid in _CHILDREN
 
 
 def _ensure_bucket(endpoint: str, key: str, secret: str, bucket: str) -> None:
