@@ -15,26 +15,35 @@ from envs.task import Task
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
-def load_humaneval(first: int | None = None, last: int | None = None) -> list[Task]:
-    """HumanEval problems as code tasks, in the package's order (HumanEval/0 .. /163).
+def load_humaneval(first: int | None = None, last: int | None = None, path: str | None = None) -> list[Task]:
+    """HumanEval problems as code tasks, in file order (the package's: HumanEval/0 .. /163).
 
     Args:
         first: take the first N problems.
         last: take the last N problems (held-out evaluation set). Give at most one of the two.
+        path: a JSONL (or .jsonl.gz) in HumanEval's format (task_id, prompt, entry_point, test)
+            instead of the package's HumanEval; its ids are prefixed ``code/``.
 
     Raises:
-        ValueError: both ``first`` and ``last`` given.
+        ValueError: both ``first`` and ``last`` given, or a problem lacks one of the four fields
+            (the message names the file and the line's task).
+        FileNotFoundError: ``path`` does not exist.
     """
     if first is not None and last is not None:
         raise ValueError("give first or last, not both")
-    problems = list(read_problems().values())
+    prefix = "humaneval" if path is None else "code"
+    problems = list((read_problems() if path is None else read_problems(path)).values())
+    for p in problems:
+        missing = {"task_id", "prompt", "entry_point", "test"} - set(p)
+        if missing:
+            raise ValueError(f"{path}: problem {p.get('task_id', '?')} lacks fields {sorted(missing)}")
     if first is not None:
         problems = problems[:first]
     elif last is not None:
         problems = problems[len(problems) - last :] if last else []
     return [
         Task(
-            task_id=f"humaneval/{p['task_id']}",
+            task_id=f"{prefix}/{p['task_id']}",
             kind="code",
             instruction=(
                 "Complete this Python function. Reply with the whole function in one ```python block.\n\n"
@@ -43,7 +52,7 @@ def load_humaneval(first: int | None = None, last: int | None = None) -> list[Ta
             prompt=p["prompt"],
             test_program=f"{p['test']}\ncheck({p['entry_point']})\n",
             verifier_timeout_s=10.0,
-            tags=("humaneval", p["entry_point"]),
+            tags=(prefix, p["entry_point"]),
         )
         for p in problems
     ]

@@ -36,7 +36,9 @@ class TaskSetConfig(_Strict):
     """Which tasks train and which are held out for evaluation."""
 
     terminal_dir: str = Field("envs/terminal", description="Folder of Terminal-Bench-format tasks.")
-    """Folder of Terminal-Bench-format tasks (relative to the repo root, or absolute)."""
+    """Folder of Terminal-Bench-format tasks (relative to the repo root, or absolute); empty = none."""
+    code_file: str = ""
+    """HumanEval-format JSONL of extra code tasks, all used for training (e.g. envs/simple_code/problems.jsonl)."""
     terminal_eval_ids: list[str] = Field(default_factory=list)
     """Terminal task ids held out for evaluation (never trained on)."""
     humaneval_train: int = Field(16, ge=0, le=164)

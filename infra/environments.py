@@ -35,9 +35,12 @@ class EnvEntry:
     reason: str = ""
 
 
-def load_tasks(terminal_dir: Path, terminal_eval_ids: list[str], humaneval_train: int,
-               humaneval_eval: int) -> tuple[dict[str, Task], dict[str, str], list[str]]:
+def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneval_train: int,
+               humaneval_eval: int, code_file: Path | None = None) -> tuple[dict[str, Task], dict[str, str], list[str]]:
     """All tasks of a run.
+
+    Terminal tasks (none when ``terminal_dir`` is None), HumanEval slices, and every problem of
+    ``code_file`` (HumanEval format), the latter for training.
 
     Returns:
         (tasks by id, split by id (``train``/``eval``), load errors naming the file).
@@ -48,7 +51,7 @@ def load_tasks(terminal_dir: Path, terminal_eval_ids: list[str], humaneval_train
     if humaneval_train + humaneval_eval > 164:
         raise ValueError(f"tasks.humaneval_train ({humaneval_train}) + tasks.humaneval_eval ({humaneval_eval}) "
                          "> 164: the train and held-out HumanEval problems would overlap")
-    terminal, errors = load_terminal_tasks(terminal_dir)
+    terminal, errors = load_terminal_tasks(terminal_dir) if terminal_dir is not None else ([], [])
     tasks, split = {}, {}
     for t in terminal:
         tasks[t.task_id] = t
@@ -56,6 +59,8 @@ def load_tasks(terminal_dir: Path, terminal_eval_ids: list[str], humaneval_train
     unknown = set(terminal_eval_ids) - {t.task_id.removeprefix("tb/") for t in terminal}
     if unknown:
         raise ValueError(f"tasks.terminal_eval_ids: {sorted(unknown)} are not tasks in {terminal_dir}")
+    for t in load_humaneval(path=str(code_file)) if code_file is not None else []:
+        tasks[t.task_id], split[t.task_id] = t, "train"
     for t in load_humaneval(first=humaneval_train) if humaneval_train else []:
         tasks[t.task_id], split[t.task_id] = t, "train"
     for t in load_humaneval(last=humaneval_eval) if humaneval_eval else []:

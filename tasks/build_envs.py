@@ -10,8 +10,8 @@ from prefect.assets import add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
-from infra.environments import build_catalog, catalog_to_json, load_tasks
-from tasks.runtime import resolve_path, run_uri, runtime
+from infra.environments import build_catalog, catalog_to_json
+from tasks.runtime import load_run_tasks, run_uri, runtime
 
 
 def image_asset(image: str) -> str:
@@ -26,9 +26,7 @@ def build_envs(config: RunConfig) -> str:
     Tasks that fail to load or build are listed as unusable with the reason; the flow goes on.
     """
     rt = runtime(config)
-    t = config.tasks
-    tasks, split, errors = load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids,
-                                      t.humaneval_train, t.humaneval_eval)
+    tasks, split, errors = load_run_tasks(config)
     entries, logs = build_catalog(rt.backend, tasks, split)
     catalog = catalog_to_json(entries, errors)
     uri = f"{run_uri(config)}/envs.json"

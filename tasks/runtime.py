@@ -89,20 +89,27 @@ class Runtime:
     def load_catalog(self, catalog_uri: str) -> dict:
         """Read ``envs.json`` (once) and load the task objects it names."""
         if not self.catalog:
-            from infra.environments import load_tasks
-
             self.fs.invalidate_cache()
             self.catalog = json.loads(self.fs.cat_file(catalog_uri))
-            t = self.config.tasks
-            self.tasks, _, _ = load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids,
-                                          t.humaneval_train, t.humaneval_eval)
+            self.tasks, _, _ = load_run_tasks(self.config)
         return self.catalog
 
 
-def resolve_path(path: str) -> Path:
-    """A config path: absolute, or relative to the repo root."""
+def resolve_path(path: str) -> Path | None:
+    """A config path: absolute, or relative to the repo root; None for an empty string."""
+    if not path:
+        return None
     p = Path(path)
     return p if p.is_absolute() else repo_root() / p
+
+
+def load_run_tasks(config: RunConfig):
+    """Every task the config names: ``(tasks by id, split by id, load errors)`` (see ``load_tasks``)."""
+    from infra.environments import load_tasks
+
+    t = config.tasks
+    return load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids, t.humaneval_train, t.humaneval_eval,
+                      resolve_path(t.code_file))
 
 
 def runtime(config: RunConfig) -> Runtime:

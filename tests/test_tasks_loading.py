@@ -65,3 +65,17 @@ def test_extract_program_full_function_or_body():
     assert "check(has_close_elements)" in prog
     body = "    return False\n"
     assert extract_program(task, body).startswith(task.prompt + body)
+
+
+def test_code_file_tasks_load_for_training(tmp_path):
+    code_file = Path(__file__).parent.parent / "envs" / "simple_code" / "problems.jsonl"
+    tasks, split, errors = load_tasks(None, [], 0, 0, code_file)
+    assert errors == [] and len(tasks) == 12 and set(split.values()) == {"train"}
+    add = tasks["code/SimpleCode/0"]
+    prog = extract_program(add, "```python\ndef add(a, b):\n    return a + b\n```")
+    ns: dict = {}
+    exec(compile(prog, "prog", "exec"), ns)  # the reference-style answer passes its own check
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "X/0", "prompt": "def f():\\n"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl: problem X/0 lacks fields \\['entry_point', 'test'\\]"):
+        load_tasks(None, [], 0, 0, bad)
