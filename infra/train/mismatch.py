@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(resolve_model(args.model))
     rows = measure_mismatch(model_dir, _sample_sequences(model_dir, args.sequences, args.max_tokens))
-    print("| engine | trainer | tokens | mean abs Δlogprob | max abs Δ | KL k3 | ratio p05 | ratio p95 |")  # noqa: T201
-    print("|---|---|---:|---:|---:|---:|---:|---:|")  # noqa: T201
+    print("| engine | trainer | tokens | mean abs Δlogprob | max abs Δ | KL k3 | ratio p05 | ratio p95 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine_dtype']} | {r['trainer_dtype']} | {r['tokens']:.0f} | {r['mean_abs_diff']:.2e} | "  # noqa: T201
+        print(f"| {r['engine_dtype']} | {r['trainer_dtype']} | {r['tokens']:.0f} | {r['mean_abs_diff']:.2e} | "
               f"{r['max_abs_diff']:.2e} | {r['kl_k3']:.2e} | {r['ratio_p05']:.3f} | {r['ratio_p95']:.3f} |")
     return 0
 
