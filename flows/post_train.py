@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
     parser.add_argument("--steps", type=int, default=None, help="override config steps")
     parser.add_argument("--run-id", default=None, help="override config run_id")
+    parser.add_argument("--seed", type=int, default=None, help="override config rollout.seed")
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("steps", args.steps), ("run_id", args.run_id)) if v is not None}
+    overrides = {k: v for k, v in (("steps", args.steps), ("run_id", args.run_id), ("rollout.seed", args.seed))
+                 if v is not None}
     try:
-        config = load_config(args.config, **overrides)
+        config = load_config(args.config, **overrides)  # before torch/vLLM load: fast, clear errors
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

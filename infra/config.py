@@ -151,7 +151,7 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
 
     Args:
         path: TOML file.
-        **overrides: top-level fields to replace (for example ``steps=1``).
+        **overrides: fields to replace, dotted for nested ones (``steps=1``, ``**{"rollout.seed": 3}``).
 
     Returns:
         The validated config.
@@ -167,7 +167,14 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
         raise ConfigError(f"{path}: config file not found") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    data.update(overrides)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{path}: override '{dotted}': '{key}' is not a table")
+        node[leaf] = value
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

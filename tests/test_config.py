@@ -40,7 +40,9 @@ def test_not_toml_and_missing(tmp_path):
 
 
 def test_overrides_apply_and_validate():
-    cfg = load_config(CONFIGS[0], steps=1, run_id="x1")
-    assert cfg.steps == 1 and cfg.run_id == "x1"
+    cfg = load_config(CONFIGS[0], steps=1, run_id="x1", **{"rollout.seed": 7})
+    assert cfg.steps == 1 and cfg.run_id == "x1" and cfg.rollout.seed == 7
+    with pytest.raises(ConfigError, match="unknown key 'rollout.sead'"):
+        load_config(CONFIGS[0], **{"rollout.sead": 7})
     with pytest.raises(ConfigError, match="run_id"):
         load_config(CONFIGS[0], run_id="has space")
