@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -22,7 +23,8 @@ def prepare_policy(config: RunConfig) -> dict:
     trajectory file is replaced, not duplicated). Optimizer state is not restored on resume.
 
     Returns:
-        ``{"model_dir", "version", "next_step"}``.
+        ``{"model_dir", "version", "next_step", "engine_start_s"}``; the rollout engine is started
+        here (when steps remain) so that time to batch does not include its start-up.
     """
     rt = runtime(config)
     s = config.storage
@@ -36,4 +38,8 @@ def prepare_policy(config: RunConfig) -> dict:
     else:
         version, model_dir = 0, str(resolve_model(config.model.path))
     rt.policy_dir, rt.policy_version = model_dir, version
-    return {"model_dir": model_dir, "version": version, "next_step": version}
+    start = time.monotonic()
+    if version < config.steps:
+        rt.engine  # noqa: B018 -- start the rollout engine now, so its start-up is not counted as time to batch
+    return {"model_dir": model_dir, "version": version, "next_step": version,
+            "engine_start_s": time.monotonic() - start}
