@@ -121,3 +121,21 @@ def test_rerun_resumes_without_reusing_versions(finished_run, s3):
     s3.invalidate_cache()
     assert s3.ls(f"agentrl/runs/{config.run_id}/trajectories") == [
         f"agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"]
+
+
+def test_lineage_cli_walks_both_ways(finished_run, capsys):
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.lineage import main, walk
+
+    config, _ = finished_run
+    run = f"s3://agentrl/runs/{config.run_id}"
+    ckpt = f"{run}/checkpoints/v1"
+    asset_events(f"{ckpt}/eval.json")  # wait until the last event has landed
+    up = walk(PREFECT_API_URL.value(), ckpt, "upstream")
+    assert (1, f"{run}/trajectories/step-000000.parquet") in up
+    assert any(depth == 2 and node.startswith("docker://agentrl-task-") for depth, node in up)
+    assert walk(PREFECT_API_URL.value(), ckpt, "downstream") == [(1, f"{ckpt}/eval.json")]
+    assert main([f"{run}/trajectories/step-000000.parquet"]) == 0
+    out = capsys.readouterr().out
+    assert f"downstream of {run}/trajectories/step-000000.parquet:" in out and f"{ckpt}/eval.json" in out
