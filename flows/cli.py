@@ -1,0 +1,23 @@
+"""The shared command line of the deployable flows: ``--config``, overrides, then run the flow."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infra.config import ConfigError, load_config
+
+
+def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None) -> int:
+    """Parse ``--config`` (before torch/vLLM load: fast, clear errors) and call ``flow_fn(config)``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
+    parser.add_argument("--run-id", default=None, help="override config run_id")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, **({"run_id": args.run_id} if args.run_id else {}))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(flow_fn(config))
+    return 0

@@ -1,0 +1,47 @@
+"""Deployable flow: collect one step's rollouts with the newest published policy, without training.
+
+``python -m flows.collect_rollouts --config configs/quickstart.toml`` or the ``collect_rollouts``
+deployment. Writes ``trajectories/step-N.parquet`` for the given step (replacing it if present).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from infra.config import RunConfig
+from tasks.build_envs import image_asset
+from tasks.difficulty import refresh_difficulty
+from tasks.lineage import as_asset
+from tasks.policy import prepare_policy
+from tasks.rollouts import collect_rollouts as collect_task
+from tasks.runtime import run_uri, runtime
+
+DEFAULT_CONFIG = RunConfig()
+
+
+@flow(name="collect_rollouts", log_prints=True)
+def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None) -> dict:
+    """Sample G attempts for each chosen task with the newest policy; ``step`` defaults to the next one.
+
+    Returns:
+        The collection summary (URI, rows, time to batch, outcomes, reward mean).
+    """
+    catalog_uri = f"{run_uri(config)}/envs.json"
+    policy = prepare_policy(config)
+    step = policy["next_step"] if step is None else step
+    selection = refresh_difficulty(config, catalog_uri, step)
+    catalog = runtime(config).load_catalog(catalog_uri)
+    image_of = {e["task_id"]: e["image"] for e in catalog["tasks"]}
+    uri = f"{run_uri(config)}/trajectories/step-{step:06d}.parquet"
+    deps = sorted({image_asset(image_of[t]) for t in selection["chosen"]})
+    result = as_asset(collect_task, uri, deps)(config, catalog_uri, selection["chosen"], step)
+    print(f"step {step}: {result['rows']} rows, reward mean {result['reward_mean']:.3f}, {result['outcomes']}")
+    return result
+
+
+if __name__ == "__main__":
+    from flows.cli import run_flow_cli
+
+    sys.exit(run_flow_cli(collect_rollouts, __doc__))

@@ -1,0 +1,118 @@
+"""A local Prefect server and a process worker, started and stopped by pid file (``make server``).
+
+The server (``prefect server start``, SQLite under ``$PREFECT_HOME``) listens on 127.0.0.1; the
+worker polls a process work pool (created if missing). ``stop`` ends exactly what ``start``
+started. This module runs the ``prefect`` CLI as subprocesses and does not import Prefect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+POOL = "agentrl-process"
+
+
+def _prefect() -> str:
+    return str(Path(sys.executable).with_name("prefect"))
+
+
+def _alive(pid_file: Path) -> int | None:
+    if not pid_file.is_file():
+        return None
+    pid = int(pid_file.read_text().strip())
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    return pid if "prefect" in cmdline else None
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 180.0) -> str:
+    """Start the server and a worker on ``pool`` unless already running; returns the API URL.
+
+    Raises:
+        RuntimeError: the server did not become healthy in time (the message has its log tail).
+    """
+    state.mkdir(parents=True, exist_ok=True)
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2")}
+    server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
+    if _alive(server_pid) is None:
+        with open(server_log, "ab") as log:
+            proc = subprocess.Popen([_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                                     "--analytics-off"], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        server_pid.write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(api_url):
+        if time.monotonic() > deadline:
+            tail = server_log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"Prefect server at {api_url} not healthy after {timeout_s:.0f} s:\n{tail}")
+        time.sleep(0.5)
+    pools = subprocess.run([_prefect(), "work-pool", "inspect", pool], env=env, capture_output=True)
+    if pools.returncode != 0:
+        subprocess.run([_prefect(), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
+                       capture_output=True)
+    worker_pid, worker_log = state / "prefect-worker.pid", state / "prefect-worker.log"
+    if _alive(worker_pid) is None:
+        with open(worker_log, "ab") as log:
+            proc = subprocess.Popen([_prefect(), "worker", "start", "--pool", pool, "--type", "process"],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
+        worker_pid.write_text(f"{proc.pid}\n")
+    return api_url
+
+
+def stop(state: Path) -> list[str]:
+    """Stop the worker, then the server (only those our pid files name); returns what was stopped."""
+    stopped = []
+    for name in ("prefect-worker", "prefect-server"):
+        pid_file = state / f"{name}.pid"
+        pid = _alive(pid_file)
+        if pid is not None:
+            os.killpg(pid, signal.SIGTERM)
+            for _ in range(100):
+                if _alive(pid_file) is None:
+                    break
+                time.sleep(0.1)
+            else:
+                os.killpg(pid, signal.SIGKILL)
+            stopped.append(name)
+        pid_file.unlink(missing_ok=True)
+    return stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m infra.prefect_server start|stop [--port 4200]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["start", "stop"])
+    parser.add_argument("--port", type=int, default=4200)
+    default_state = os.environ.get("AGENTRL_STATE", str(Path(__file__).parent.parent / ".state"))
+    parser.add_argument("--state", default=default_state)
+    args = parser.parse_args(argv)
+    if args.action == "start":
+        print(f"Prefect API {start(Path(args.state), args.port)} (UI http://127.0.0.1:{args.port}); "
+              f"worker on pool {POOL}")
+    else:
+        print(f"stopped: {', '.join(stop(Path(args.state))) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
