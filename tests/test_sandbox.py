@@ -118,3 +118,38 @@ def test_failed_build_marks_task_unusable_others_go_on(backend, tmp_path):
     assert by_id["tb/good"].usable and by_id["tb/good"].image_digest.startswith("sha256:")
     assert not by_id["tb/broken"].usable and "image build failed" in by_id["tb/broken"].reason
     assert "exit 3" in by_id["tb/broken"].reason or "returned a non-zero code" in by_id["tb/broken"].reason
+
+
+@pytest.mark.parametrize("plant", [
+    # a conftest at the filesystem root that skips every test
+    "printf 'import pytest\\ndef pytest_collection_modifyitems(items):\\n"
+    "    [i.add_marker(pytest.mark.skip) for i in items]\\n' > /conftest.py",
+    # the same in the working directory, plus an ini that deselects everything
+    "printf 'import pytest\\ndef pytest_runtest_setup(item):\\n    pytest.skip(\"x\")\\n' > /app/conftest.py;"
+    " printf '[pytest]\\naddopts = -k nothing_matches\\n' > /app/pytest.ini; cp /app/pytest.ini /pytest.ini",
+    # a pre-written passing report
+    "printf '<testsuite tests=\"1\" failures=\"0\" errors=\"0\" skipped=\"0\"/>' > /tmp/agentrl-verdict.xml",
+])
+def test_planted_configuration_does_not_earn_reward(backend, plant):
+    task = load_terminal_task(TERMINAL / "hello-file")
+    tag, _, _ = backend.build_image("hello-file", task.build_context)
+    box = backend.start(tag, {"agentrl.test": "plant"})
+    try:
+        assert box.exec(plant, 5).exit_code == 0
+        verdict = verify_terminal(box, task)
+        assert verdict.reward == 0.0 and verdict.outcome == Outcome.MODEL_FAILURE, verdict
+        box.exec("echo 'hello world' > /app/hello.txt", 5)  # a genuine fix still scores 1
+        assert verify_terminal(box, task).reward == 1.0
+    finally:
+        box.close()
+
+
+def test_junit_verdicts():
+    from envs.verify import junit_verdict
+
+    ok = '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="0"/></testsuites>'
+    assert junit_verdict(ok, "").reward == 1.0
+    assert junit_verdict('<testsuite tests="2" failures="0" errors="0" skipped="1"/>', "").reason == "tests_skipped"
+    assert junit_verdict('<testsuite tests="2" failures="1" errors="0" skipped="0"/>', "").reason == "tests_failed"
+    assert junit_verdict('<testsuite tests="0"/>', "").outcome == Outcome.UNKNOWN
+    assert junit_verdict("<testsuite", "").reason == "verifier_error"

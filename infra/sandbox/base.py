@@ -60,6 +60,10 @@ class Sandbox(Protocol):
         """Write ``data`` to the file ``dest`` inside the sandbox."""
         ...
 
+    def get_file(self, path: str) -> bytes | None:
+        """Read a regular file from the sandbox; None when it does not exist."""
+        ...
+
     def close(self) -> None:
         """Remove the sandbox; never raises for an already gone container."""
         ...

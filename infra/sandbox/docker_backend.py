@@ -173,6 +173,20 @@ class DockerSandbox:
             tar.addfile(info, io.BytesIO(data))
         self._api("put_archive", self._container.put_archive, parent or "/", buf.getvalue())
 
+    def get_file(self, path: str) -> bytes | None:
+        """Read one regular file (through the engine's archive API, no size limit); None if absent."""
+        try:
+            stream, _ = self._container.get_archive(path)
+        except docker.errors.NotFound:
+            return None  # either the file or the container is gone; exec calls tell the two apart
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            raise SandboxInfraError("docker_api_error", f"{self.sandbox_id} during get_archive: {e}") from e
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                return None
+            return tar.extractfile(member).read()
+
     def close(self) -> None:
         """Force-remove the container; already gone is fine."""
         try:
