@@ -32,6 +32,28 @@ def reward_curve(bucket: str, prefix: str, run_id: str) -> list[float]:
     return [float(np.mean(by_step[s])) for s in sorted(by_step)]
 
 
+def task_matched_gain(bucket: str, prefix: str, run_id: str, steps: int) -> dict[str, float]:
+    """Pass rate of each task in the first half of the steps against the second half.
+
+    The tasks sampled differ from step to step (difficulty selection), so the raw curve mixes task
+    difficulty into the trend; this compares each task only with itself, over tasks attempted in
+    both halves, and averages. Returns ``{"tasks", "early", "late", "gain"}``.
+    """
+    from infra.storage import s3_filesystem
+    from infra.store import read_history
+
+    table = read_history(s3_filesystem(bucket), bucket, prefix, run_id, ["task_id", "step", "reward", "outcome"])
+    halves: dict[str, tuple[list[float], list[float]]] = {}
+    for t, s, r, o in zip(*(table.column(c).to_pylist() for c in ("task_id", "step", "reward", "outcome")),
+                          strict=True):
+        if o != "infra_failure":
+            halves.setdefault(t, ([], []))[0 if s < steps // 2 else 1].append(r)
+    both = {t: (np.mean(a), np.mean(b)) for t, (a, b) in halves.items() if a and b}
+    early = float(np.mean([a for a, _ in both.values()])) if both else float("nan")
+    late = float(np.mean([b for _, b in both.values()])) if both else float("nan")
+    return {"tasks": float(len(both)), "early": early, "late": late, "gain": late - early}
+
+
 def run_seed(config: str, run_id: str, seed: int, steps: int) -> float:
     """Run post_train for one seed in a fresh process; returns its wall-clock seconds.
 
@@ -65,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     from infra.config import load_config
 
     cfg = load_config(args.config)
-    curves, seconds = {}, {}
+    curves, seconds, matched = {}, {}, {}
     for seed in args.seeds:
         run_id = f"{args.run_prefix}-s{seed}"
         seconds[seed] = run_seed(args.config, run_id, seed, args.steps)
         curves[seed] = reward_curve(cfg.storage.bucket, cfg.storage.prefix, run_id)
+        matched[seed] = task_matched_gain(cfg.storage.bucket, cfg.storage.prefix, run_id, args.steps)
     print(f"config {args.config}, {args.steps} steps, seeds {args.seeds}, run prefix {args.run_prefix}")
     print("| seed | " + " | ".join(f"step {i}" for i in range(args.steps)) + " | wall s |")
     print("|---|" + "---:|" * (args.steps + 1))
@@ -81,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean reward, first {args.window} steps {s['first_mean']:.3f} -> last {args.window} steps "
           f"{s['last_mean']:.3f}: gain {s['gain_mean']:+.3f} (per-seed range {s['gain_min']:+.3f} .. "
           f"{s['gain_max']:+.3f})")
+    for seed, m in matched.items():
+        print(f"seed {seed}: task-matched pass rate, first half {m['early']:.3f} -> second half {m['late']:.3f} "
+              f"({m['gain']:+.3f} over {m['tasks']:.0f} tasks attempted in both halves)")
     return 0
 
 
