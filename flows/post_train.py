@@ -76,6 +76,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "tis_capped_frac": metrics["tis_capped_frac"], "tis_masked_frac": metrics["tis_masked_frac"],
             "rows_with_signal": metrics["rows_with_signal"], "optimizer_step": metrics["optimizer_step"],
             "checkpoint": ckpt, "policy_version": loaded["version"], "reload_pause_s": round(loaded["pause_s"], 3),
+            "checkpoint_refused": loaded["refused"],
             "eval_pass_at_1": report["pass_at_1"] if report else None,
             "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
             "publish_s": round(t4 - t3, 2), "eval_s": round(t5 - t4, 2),

@@ -37,6 +37,8 @@ def prepare_policy(config: RunConfig) -> dict:
         model_dir = str(local)
     else:
         version, model_dir = 0, str(resolve_model(config.model.path))
+    if rt._engine is not None and rt.engine.policy_version != version:
+        rt.engine.load_weights(model_dir, version)  # an engine of this run already lives in this process
     rt.policy_dir, rt.policy_version = model_dir, version
     start = time.monotonic()
     if version < config.steps:

