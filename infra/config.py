@@ -100,6 +100,8 @@ class TrainConfig(_Strict):
     """Mask tokens (token level) or rows (sequence level) whose ratio is below this; None = off."""
     mask_ratio_high: float | None = Field(None, gt=1)
     """Mask tokens or rows whose ratio is above this; None = off."""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Group baseline: the group mean (GRPO) or the mean of the other rows (RLOO)."""
     scale_by_std: bool = False
     """Divide group advantages by the group's std (GRPO as in Shao et al. 2024); off = Dr. GRPO."""
     mask_truncated: bool = False

@@ -83,7 +83,8 @@ class Runtime:
                                         temperature=self.config.rollout.temperature, scale_by_std=t.scale_by_std,
                                         mask_truncated=t.mask_truncated, max_seq_len=t.max_seq_len,
                                         tis_level=t.tis_level, mask_ratio_low=t.mask_ratio_low,
-                                        mask_ratio_high=t.mask_ratio_high, forward_dtype=t.forward_dtype)
+                                        mask_ratio_high=t.mask_ratio_high, forward_dtype=t.forward_dtype,
+                                        baseline=t.baseline)
         return self._trainer
 
     def load_catalog(self, catalog_uri: str) -> dict:

@@ -33,6 +33,19 @@ def test_std_scaling_does_not_cancel_catastrophically():
     assert np.all(np.isfinite(adv))
 
 
+def test_leave_one_out_baseline():
+    rewards = np.array([0.0] + [0.95] * 7, dtype=np.float32)
+    adv = group_advantages(rewards, ["g"] * 8, baseline="leave_one_out")
+    # first row: 0 - mean(7 x 0.95) = -0.95; others: 0.95 - (6 x 0.95 + 0)/7 = 0.95/7
+    assert adv[0] == pytest.approx(-0.95, abs=1e-6)
+    np.testing.assert_allclose(adv[1:], 0.95 / 7, rtol=1e-5)
+    scaled = group_advantages(rewards, ["g"] * 8, baseline="leave_one_out", scale_by_std=True)
+    assert scaled[0] == pytest.approx(-0.95 / (math.sqrt(7) / 8 * 0.95), rel=1e-4)  # -3.02: bounded
+    assert np.all(group_advantages(np.full(8, 0.2, dtype=np.float32), ["g"] * 8, True, baseline="leave_one_out") == 0)
+    with pytest.raises(ValueError, match="baseline"):
+        group_advantages(rewards, ["g"] * 8, baseline="median")
+
+
 def test_single_row_group_is_zero_not_nan():
     adv = group_advantages(np.array([1.0, 0.0, 1.0]), ["a", "b", "b"], scale_by_std=True)
     assert adv[0] == 0.0  # one row: no baseline, no signal (documented convention)

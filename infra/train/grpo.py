@@ -16,10 +16,12 @@ import torch
 
 
 def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bool = False,
-                     eps: float = 1e-6) -> np.ndarray:
+                     eps: float = 1e-6, baseline: str = "mean") -> np.ndarray:
     """One advantage per row, relative to the row's own group (found by id, never by position).
 
-    ``A_i = r_i - mean(r_g)``, divided by ``std(r_g) + eps`` when ``scale_by_std`` (population std).
+    ``A_i = r_i - b_i`` with ``b_i = mean(r_g)`` (GRPO) or, for ``baseline="leave_one_out"``, the mean
+    of the *other* rows of the group (RLOO, Ahmadian et al. 2024); then divided by
+    ``std(r_g) + eps`` when ``scale_by_std`` (population std).
     Computed in float64. A group whose rewards are all equal gets exactly 0 for every row. A group
     of one row gets 0 (no baseline, no signal), never NaN.
 
@@ -27,14 +29,17 @@ def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bo
         rewards: shape ``(R,)``, any float dtype.
         group_ids: ``R`` group ids.
         scale_by_std: GRPO's std normalisation (Shao et al. 2024); off gives Dr. GRPO.
+        baseline: ``mean`` or ``leave_one_out``.
         eps: added to the std before dividing.
 
     Returns:
         Shape ``(R,)`` float32.
 
     Raises:
-        ValueError: lengths differ or a reward is not finite.
+        ValueError: lengths differ, a reward is not finite, or an unknown baseline.
     """
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
     r = np.asarray(rewards, dtype=np.float64)
     if r.shape != (len(group_ids),):
         raise ValueError(f"rewards shape {r.shape} does not match {len(group_ids)} group ids")
@@ -49,9 +54,11 @@ def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bo
         if len(idx) < 2 or g.max() == g.min():
             continue
         centered = g - g.mean()  # two-pass: no cancellation from sum of squares
+        # leave-one-out: r_i - (sum - r_i)/(n-1) = n/(n-1) * (r_i - mean), computed from the centred values
+        a = centered * len(idx) / (len(idx) - 1) if baseline == "leave_one_out" else centered
         if scale_by_std:
-            centered = centered / (np.sqrt(np.mean(centered**2)) + eps)
-        adv[idx] = centered
+            a = a / (np.sqrt(np.mean(centered**2)) + eps)
+        adv[idx] = a
     return adv.astype(np.float32)
 
 

@@ -39,7 +39,7 @@ class GRPOTrainer:
     def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
                  tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
                  max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
-                 mask_ratio_high: float | None = None, forward_dtype: str = "float32"):
+                 mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean"):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
 
         ``forward_dtype="bfloat16"`` runs forward and backward in bf16 (DeepSpeed ``bf16``), matching a
@@ -69,6 +69,7 @@ class GRPOTrainer:
             "bf16": {"enabled": forward_dtype == "bfloat16"},
         }
         self.forward_dtype = forward_dtype
+        self.baseline = baseline
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
         self.micro_batch_rows = micro_batch_rows
@@ -95,7 +96,7 @@ class GRPOTrainer:
         start = time.monotonic()
         rows = eligible_rows(rows)
         adv = group_advantages(np.array([r["reward"] for r in rows], dtype=np.float64),
-                               [r["group_id"] for r in rows], scale_by_std=self.scale_by_std)
+                               [r["group_id"] for r in rows], scale_by_std=self.scale_by_std, baseline=self.baseline)
         masks = []
         for r in rows:
             m = np.asarray(r["loss_mask"][: self.max_seq_len], dtype=np.float32)
