@@ -23,14 +23,10 @@ from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
 from tasks.publish import hot_load, publish_checkpoint
 from tasks.rollouts import collect_rollouts
-from tasks.runtime import runtime
+from tasks.runtime import artifact_key, runtime
 from tasks.train import train_step
 
 DEFAULT_CONFIG = RunConfig()
-
-
-def _artifact_key(run_id: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in run_id.lower()) + "-steps"
 
 
 @flow(name="post_train", log_prints=True)
@@ -83,7 +79,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         }
         summaries.append(summary)
         print(format_summary(summary))
-        create_table_artifact(key=_artifact_key(config.run_id), table=[{k: str(v) for k, v in x.items()}
+        create_table_artifact(key=artifact_key(config.run_id, "steps"), table=[{k: str(v) for k, v in x.items()}
                                                                        for x in summaries],
                               description=f"post_train {config.run_id}: per-step summary")
     return summaries

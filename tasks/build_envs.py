@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
 from infra.environments import build_catalog, catalog_to_json
-from tasks.runtime import load_run_tasks, run_uri, runtime
+from tasks.runtime import artifact_key, load_run_tasks, run_uri, runtime
 
 
 def image_asset(image: str) -> str:
@@ -38,7 +38,7 @@ def build_envs(config: RunConfig) -> str:
     for err in errors:
         log.warning("task folder not loaded: %s", err)
     create_table_artifact(
-        key=f"{config.run_id.lower().replace('_', '-').replace('.', '-')}-envs",
+        key=artifact_key(config.run_id, "envs"),
         table=[{"task": e.task_id, "split": e.split, "image": e.image, "built": e.built, "usable": e.usable,
                 "reason": e.reason} for e in entries if e.image != "agentrl-base:bookworm" or not e.usable],
         description=f"Environments of run {config.run_id}: {sum(e.usable for e in entries)}/{len(entries)} usable",

@@ -96,6 +96,11 @@ class Runtime:
         return self.catalog
 
 
+def artifact_key(run_id: str, suffix: str) -> str:
+    """A Prefect artifact key for a run (keys allow only lowercase letters, digits and dashes)."""
+    return "".join(c if c.isalnum() else "-" for c in run_id.lower()) + f"-{suffix}"
+
+
 def resolve_path(path: str) -> Path | None:
     """A config path: absolute, or relative to the repo root; None for an empty string."""
     if not path:
