@@ -11,12 +11,12 @@ import sys
 from prefect import flow
 
 from infra.config import RunConfig
-from tasks.build_envs import image_asset
+from tasks.build_envs import task_image_assets
 from tasks.difficulty import refresh_difficulty
 from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
 from tasks.rollouts import collect_rollouts as collect_task
-from tasks.runtime import run_uri, runtime
+from tasks.runtime import run_uri
 
 DEFAULT_CONFIG = RunConfig()
 
@@ -32,10 +32,8 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     policy = prepare_policy(config)
     step = policy["next_step"] if step is None else step
     selection = refresh_difficulty(config, catalog_uri, step)
-    catalog = runtime(config).load_catalog(catalog_uri)
-    image_of = {e["task_id"]: e["image"] for e in catalog["tasks"]}
     uri = f"{run_uri(config)}/trajectories/step-{step:06d}.parquet"
-    deps = sorted({image_asset(image_of[t]) for t in selection["chosen"]})
+    deps = task_image_assets(config, catalog_uri, selection["chosen"])
     result = as_asset(collect_task, uri, deps)(config, catalog_uri, selection["chosen"], step)
     print(f"step {step}: {result['rows']} rows, reward mean {result['reward_mean']:.3f}, {result['outcomes']}")
     return result

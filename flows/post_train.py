@@ -16,14 +16,14 @@ from prefect.artifacts import create_table_artifact
 
 from infra.checkpoint import checkpoint_uri
 from infra.config import ConfigError, RunConfig, load_config
-from tasks.build_envs import build_envs, image_asset, materialize_task_images
+from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
 from tasks.difficulty import refresh_difficulty
 from tasks.evaluate import evaluate
 from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
 from tasks.publish import hot_load, publish_checkpoint
 from tasks.rollouts import collect_rollouts
-from tasks.runtime import artifact_key, runtime
+from tasks.runtime import artifact_key
 from tasks.train import train_step
 
 DEFAULT_CONFIG = RunConfig()
@@ -38,10 +38,8 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     tis_masked_frac), rows_with_signal, checkpoint, eval_pass_at_1, and per-stage seconds.
     """
     catalog_uri = build_envs(config)
-    image_keys = materialize_task_images(config, catalog_uri)
+    materialize_task_images(config, catalog_uri)
     policy = prepare_policy(config)
-    catalog = runtime(config).load_catalog(catalog_uri)
-    image_of = {e["task_id"]: e["image"] for e in catalog["tasks"]}
     s = config.storage
     summaries = []
     for step in range(policy["next_step"], config.steps):
@@ -49,7 +47,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         selection = refresh_difficulty(config, catalog_uri, step)
         t1 = time.monotonic()
         traj_uri = f"s3://{s.bucket}/{s.prefix}/{config.run_id}/trajectories/step-{step:06d}.parquet"
-        deps = sorted({image_asset(image_of[t]) for t in selection["chosen"]} & set(image_keys))
+        deps = task_image_assets(config, catalog_uri, selection["chosen"])
         rollouts = as_asset(collect_rollouts, traj_uri, deps)(config, catalog_uri, selection["chosen"], step)
         t2 = time.monotonic()
         metrics = train_step(config, rollouts["uri"])

@@ -46,6 +46,13 @@ def build_envs(config: RunConfig) -> str:
     return uri
 
 
+def task_image_assets(config: RunConfig, catalog_uri: str, task_ids: list[str]) -> list[str]:
+    """Asset keys of the images the usable tasks among ``task_ids`` run in (a rollout file's upstream)."""
+    catalog = runtime(config).load_catalog(catalog_uri)
+    image_of = {e["task_id"]: e["image"] for e in catalog["tasks"] if e["usable"]}
+    return sorted({image_asset(image_of[t]) for t in task_ids if t in image_of})
+
+
 def materialize_task_images(config: RunConfig, catalog_uri: str) -> list[str]:
     """Record one asset materialization per usable task image (the lineage roots); returns the asset keys.
 
