@@ -195,26 +195,79 @@ def _ping(base_url: str, timeout_s: float = 5.0) -> docker.DockerClient | None:
     return docker.DockerClient(base_url=base_url, timeout=600)
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live, non-zombie process (our own child: by ``poll``, the authoritative test)."""
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except PermissionError:
+        return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _exit_status(pid: int) -> str:
+    """``exit code N`` / ``killed by signal S`` for our own child, else ``exit status unknown``."""
+    proc = _CHILDREN.get(pid)
+    code = proc.poll() if proc is not None else None
+    if code is None:
+        return "exit status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
 def _wait_engine(proc_pid: int, log_file: Path) -> docker.DockerClient:
     """Wait until our dockerd answers on the default socket.
 
     Raises:
-        RuntimeError: dockerd exited or did not answer within ``READY_TIMEOUT_S``.
+        _EngineExited: dockerd exited before answering (the caller may clean up and retry).
+        RuntimeError: dockerd did not answer within ``READY_TIMEOUT_S``.
     """
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         client = _ping(DEFAULT_DOCKER_HOST, timeout_s=2)
         if client is not None:
             return client
-        if not _cmdline(proc_pid):
-            raise RuntimeError(
-                f"dockerd exited during start-up; {log_file} ends with:\n{_log_tail(log_file)}"
-            )
+        if not _alive(proc_pid):
+            tail = _log_tail(log_file) or "(log is empty)"
+            raise _EngineExited(f"dockerd exited during start-up ({_exit_status(proc_pid)}); "
+                                f"{log_file} ends with:\n{tail}")
         time.sleep(0.25)
     raise RuntimeError(
         f"dockerd (pid {proc_pid}) did not answer in {READY_TIMEOUT_S:.0f} s; "
         f"{log_file} ends with:\n{_log_tail(log_file)}"
     )
+
+
+class _EngineExited(RuntimeError):
+    """dockerd exited before it answered a ping."""
+
+
+# Runtime files a SIGKILLed dockerd leaves behind (here /run is on the persistent disk, so they
+# survive a reboot, and a reused pid in containerd.pid makes the next dockerd wait on a process
+# that is not containerd). Removed only when no dockerd/containerd runs.
+_STALE_RUNTIME = ("/var/run/docker.pid", "/var/run/docker.sock", "/var/run/docker/containerd/containerd.pid",
+                  "/var/run/docker/containerd/containerd.sock", "/var/run/docker/containerd/containerd-debug.sock")
+
+
+def _clear_stale_runtime() -> list[str]:
+    """Remove ``_STALE_RUNTIME`` files when no dockerd or containerd process is alive; returns those removed."""
+    for proc_dir in Path("/proc").iterdir():
+        if proc_dir.name.isdigit() and _alive(int(proc_dir.name)):
+            argv = _cmdline(int(proc_dir.name))
+            if argv and Path(argv[0]).name in ("dockerd", "containerd"):
+                return []
+    removed = []
+    for name in _STALE_RUNTIME:
+        try:
+            Path(name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _ensure_engine(state: Path) -> tuple[str, docker.DockerClient]:
@@ -262,9 +315,23 @@ def _ensure_engine(state: Path) -> tuple[str, docker.DockerClient]:
             "--pidfile",
             str(pid_file),
         ]
+        removed = _clear_stale_runtime()
+        if removed:
+            log.info("removed runtime files left by a killed dockerd: %s", ", ".join(removed))
         log.info("starting dockerd (log %s)", log_file)
         pid = _spawn(argv, log_file).pid
-    client = _wait_engine(pid, log_file)
+        try:
+            client = _wait_engine(pid, log_file)
+        except _EngineExited as first:
+            # Start once more after a pause: a dockerd killed just before (CI after a session) may
+            # still hold its lock files for a moment. The first failure is logged, not lost.
+            log.warning("%s; starting it once more", first)
+            time.sleep(3)
+            _clear_stale_runtime()
+            pid = _spawn(argv, log_file).pid
+            client = _wait_engine(pid, log_file)
+    else:
+        client = _wait_engine(pid, log_file)
     if _our_pid(pid_file, "dockerd", str(pid_file)) != pid:
         pid_file.write_text(f"{pid}\n")
     return DEFAULT_DOCKER_HOST, client
@@ -547,7 +614,7 @@ def _ensure_weed(state: Path, s3_port: int | None) -> tuple[str, str, str]:
     deadline = time.monotonic() + READY_TIMEOUT_S
     restarted = False
     while not _http_answers(endpoint):
-        if not _cmdline(pid):
+        if not _alive(pid):
             proc = _CHILDREN.get(pid)
             code = proc.poll() if proc is not None else None
             # Seen once right after another weed on the same ports stopped: it dies binding a port
