@@ -21,8 +21,9 @@ def load_humaneval(first: int | None = None, last: int | None = None, path: str 
     Args:
         first: take the first N problems.
         last: take the last N problems (held-out evaluation set). Give at most one of the two.
-        path: a JSONL (or .jsonl.gz) in HumanEval's format (task_id, prompt, entry_point, test)
-            instead of the package's HumanEval; its ids are prefixed ``code/``.
+        path: a JSONL (or .jsonl.gz) in HumanEval's format (task_id, prompt, entry_point, test,
+            optionally canonical_solution, the reference used to validate the task) instead of
+            the package's HumanEval; its ids are prefixed ``code/``.
 
     Raises:
         ValueError: both ``first`` and ``last`` given, or a problem lacks one of the four fields
@@ -53,6 +54,9 @@ def load_humaneval(first: int | None = None, last: int | None = None, path: str 
             test_program=f"{p['test']}\ncheck({p['entry_point']})\n",
             verifier_timeout_s=10.0,
             tags=(prefix, p["entry_point"]),
+            task_format="humaneval",
+            verifier="code",
+            solution=p["prompt"] + p["canonical_solution"] if p.get("canonical_solution") else None,
         )
         for p in problems
     ]

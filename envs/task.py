@@ -43,6 +43,15 @@ class Task:
         verifier_timeout_s: limit for the hidden tests.
         difficulty: the task author's label (easy, medium, hard) or empty.
         tags: free labels.
+        task_format: ``terminal-bench``, ``harbor`` or ``humaneval`` (the folder/file format it came from).
+        verifier: ``pytest`` (Terminal-Bench: ``tests/test_outputs.py``), ``harbor`` (``tests/test.sh``
+            writes ``/logs/verifier/reward.txt`` or ``reward.json``) or ``code`` (program + ``check``).
+        dockerfile: the Dockerfile's path inside ``build_context``.
+        solution: the reference solution (a shell script for terminal tasks, source code for code
+            tasks); validation runs it and it must verify as success. None: cannot be validated.
+        allow_internet: the task opts in to network access (default: no network at all).
+        cpus: CPU limit for the sandbox (None: the backend's default).
+        memory_mb: memory limit for the sandbox in MiB (None: the backend's default).
     """
 
     task_id: str
@@ -57,6 +66,13 @@ class Task:
     verifier_timeout_s: float = 30.0
     difficulty: str = ""
     tags: tuple[str, ...] = field(default_factory=tuple)
+    task_format: str = "terminal-bench"
+    verifier: str = "pytest"
+    dockerfile: str = "Dockerfile"
+    solution: str | None = None
+    allow_internet: bool = False
+    cpus: float | None = None
+    memory_mb: int | None = None
 
 
 class TaskError(ValueError):

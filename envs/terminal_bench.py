@@ -1,7 +1,17 @@
-"""Terminal-Bench 1.x task folders: ``task.yaml``, ``Dockerfile``, ``tests/``, ``solution.sh``.
+"""Terminal-Bench 1.x task folders.
 
-``load_terminal_tasks(dir)`` loads every task folder under ``dir``. A broken folder does not stop
-the others: it is returned in the error list with a message naming the file and the problem.
+A folder holds ``task.yaml`` (instruction, ``max_agent_timeout_sec``, ``max_test_timeout_sec``,
+``parser_name``, ``difficulty``, ``tags``), the environment as a ``Dockerfile`` or a
+single-service ``docker-compose.yaml`` whose service is built from the folder, hidden ``tests/``
+(``test_outputs.py``, run with pytest), optionally ``run-tests.sh``, and the reference solution
+``solution.sh``. ``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder
+does not stop the others: it is returned in the error list with a message naming the file and
+the field.
+
+Not supported (reported as load errors): compose files with more than one service (tasks that
+need a database or a second host), parsers other than ``pytest``. ``run-tests.sh`` is not run:
+upstream it installs pytest from the network; our verifier runs ``tests/test_outputs.py`` with
+the image's pytest under a hardened configuration (``envs/verify.py``).
 """
 
 from __future__ import annotations
@@ -12,13 +22,51 @@ import yaml
 
 from envs.task import Task, TaskError
 
+SUPPORTED_PARSERS = ("pytest",)
+
+
+def _compose_dockerfile(folder: Path) -> str:
+    """The Dockerfile path (relative to ``folder``) of a single-service ``docker-compose.yaml``.
+
+    Raises:
+        TaskError: not YAML, not exactly one service, or a service that is not built from this
+            folder (``image:`` alone names a registry image we cannot pull).
+    """
+    path = next(folder / n for n in ("docker-compose.yaml", "docker-compose.yml") if (folder / n).is_file())
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise TaskError(f"{path}: not valid YAML: {e}") from e
+    services = spec.get("services") if isinstance(spec, dict) else None
+    if not isinstance(services, dict) or len(services) != 1:
+        n = len(services) if isinstance(services, dict) else 0
+        raise TaskError(f"{path}: field 'services' must hold exactly one service, found {n} "
+                        "(multi-service tasks are not supported)")
+    (name, service), = services.items()
+    build = service.get("build") if isinstance(service, dict) else None
+    if build is None:
+        raise TaskError(f"{path}: field 'services.{name}.build' missing (the image must be built from the task folder)")
+    if isinstance(build, str):
+        build = {"context": build}
+    if not isinstance(build, dict):
+        raise TaskError(f"{path}: field 'services.{name}.build' must be a path or a mapping")
+    context = (folder / str(build.get("context", "."))).resolve()
+    if context != folder.resolve():
+        raise TaskError(f"{path}: field 'services.{name}.build.context' must be the task folder ('.'), "
+                        f"got {build.get('context')!r}")
+    dockerfile = str(build.get("dockerfile", "Dockerfile"))
+    if not (folder / dockerfile).is_file():
+        raise TaskError(f"{path}: field 'services.{name}.build.dockerfile' names {dockerfile!r}, "
+                        f"which is not a file in {folder}")
+    return dockerfile
+
 
 def load_terminal_task(folder: Path) -> Task:
     """Load one Terminal-Bench task folder.
 
     Raises:
-        TaskError: missing ``task.yaml``/``Dockerfile``/``tests/``, unparseable YAML, or a field of
-            the wrong type; the message names the file and field.
+        TaskError: missing ``task.yaml``/environment/``tests/``, unparseable YAML, an unknown
+            parser, or a field of the wrong type; the message names the file and field.
     """
     spec_path = folder / "task.yaml"
     if not spec_path.is_file():
@@ -29,13 +77,21 @@ def load_terminal_task(folder: Path) -> Task:
         raise TaskError(f"{spec_path}: not valid YAML: {e}") from e
     if not isinstance(spec, dict):
         raise TaskError(f"{spec_path}: expected a mapping at top level, got {type(spec).__name__}")
-    if not (folder / "Dockerfile").is_file():
-        raise TaskError(f"{folder / 'Dockerfile'}: missing (the task's environment is built from it)")
-    if not (folder / "tests").is_dir():
-        raise TaskError(f"{folder / 'tests'}: missing (hidden tests verify the episode)")
+    if (folder / "docker-compose.yaml").is_file() or (folder / "docker-compose.yml").is_file():
+        dockerfile = _compose_dockerfile(folder)
+    elif (folder / "Dockerfile").is_file():
+        dockerfile = "Dockerfile"
+    else:
+        raise TaskError(f"{folder / 'Dockerfile'}: missing (the task's environment is built from a Dockerfile "
+                        "or a single-service docker-compose.yaml)")
+    if not (folder / "tests" / "test_outputs.py").is_file():
+        raise TaskError(f"{folder / 'tests' / 'test_outputs.py'}: missing (hidden tests verify the episode)")
     instruction = spec.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
         raise TaskError(f"{spec_path}: field 'instruction' must be a non-empty string")
+    parser = spec.get("parser_name", "pytest")
+    if parser not in SUPPORTED_PARSERS:
+        raise TaskError(f"{spec_path}: field 'parser_name' is {parser!r}; supported: {', '.join(SUPPORTED_PARSERS)}")
 
     def seconds(key: str, default: float) -> float:
         value = spec.get(key, default)
@@ -46,6 +102,7 @@ def load_terminal_task(folder: Path) -> Task:
     tags = spec.get("tags", []) or []
     if not isinstance(tags, list):
         raise TaskError(f"{spec_path}: field 'tags' must be a list")
+    solution = folder / "solution.sh"
     return Task(
         task_id=f"tb/{folder.name}",
         kind="terminal",
@@ -57,6 +114,10 @@ def load_terminal_task(folder: Path) -> Task:
         verifier_timeout_s=seconds("max_test_timeout_sec", 30.0),
         difficulty=str(spec.get("difficulty", "")),
         tags=tuple(str(t) for t in tags),
+        task_format="terminal-bench",
+        verifier="pytest",
+        dockerfile=dockerfile,
+        solution=solution.read_text() if solution.is_file() else None,
     )
 
 

@@ -39,8 +39,18 @@ class TaskSetConfig(_Strict):
     """Folder of Terminal-Bench-format tasks (relative to the repo root, or absolute); empty = none."""
     code_file: str = ""
     """HumanEval-format JSONL of extra code tasks, all used for training (e.g. envs/simple_code/problems.jsonl)."""
+    task_sets: list[str] = Field(default_factory=list)
+    """More task sets, each a folder or file in any format ``envs.load_taskset`` detects
+    (Terminal-Bench folders, Harbor folders, HumanEval JSONL), e.g. ``["envs/harbor"]``."""
     terminal_eval_ids: list[str] = Field(default_factory=list)
-    """Terminal task ids held out for evaluation (never trained on)."""
+    """Task ids held out for evaluation (never trained on), with or without the ``tb/``/``harbor/`` prefix."""
+    validate: bool = True
+    """Validation gate: run each task's reference solution (must pass) and a do-nothing agent (must not)
+    before it is used; failures make the task unusable. Verdicts are cached in S3 by content hash."""
+    base_images: dict[str, str] = Field(default_factory=dict)
+    """``FROM`` image pattern (glob) -> local image, for task Dockerfiles naming registry images."""
+    fallback_base_image: str = "agentrl-base:bookworm"
+    """Image used for a ``FROM`` that is neither present locally nor in ``base_images``; empty: fail the build."""
     humaneval_train: int = Field(16, ge=0, le=164)
     """Number of HumanEval problems used for training (the first N)."""
     humaneval_eval: int = Field(8, ge=0, le=164)

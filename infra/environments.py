@@ -4,10 +4,18 @@ Terminal tasks get an image built from their Dockerfile on the local base image,
 hash of the build context (rebuilt only when that changes). Code tasks run in the base image.
 A task whose folder does not load or whose image fails to build is marked unusable with the
 reason; the others go on.
+
+Validation gate: every task is run twice before it may be trained on: its reference solution
+must verify as ``success`` and a do-nothing agent must not. A task that fails either (or has no
+reference solution) is unusable, with the reason. Results are cached by a hash of everything
+the verdict depends on (image digest, tests, solution, verifier), so an unchanged task is
+validated once.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,8 +23,10 @@ from pathlib import Path
 import docker.errors
 
 from envs.humaneval import load_humaneval
-from envs.task import Task
-from envs.terminal_bench import load_terminal_tasks
+from envs.task import Outcome, Task
+from envs.taskset import load_taskset
+from envs.verify import Verdict, verify_code, verify_task
+from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend
 
 BASE_IMAGE = "agentrl-base:bookworm"
@@ -33,32 +43,50 @@ class EnvEntry:
     built: bool
     usable: bool
     reason: str = ""
+    task_format: str = ""
+    validation: str = ""
+
+
+def _short_id(task_id: str) -> str:
+    return task_id.split("/", 1)[1] if task_id.startswith(("tb/", "harbor/")) else task_id
 
 
 def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneval_train: int,
-               humaneval_eval: int, code_file: Path | None = None) -> tuple[dict[str, Task], dict[str, str], list[str]]:
+               humaneval_eval: int, code_file: Path | None = None,
+               task_sets: list[Path] | None = None) -> tuple[dict[str, Task], dict[str, str], list[str]]:
     """All tasks of a run.
 
-    Terminal tasks (none when ``terminal_dir`` is None), HumanEval slices, and every problem of
-    ``code_file`` (HumanEval format), the latter for training.
+    Tasks of ``terminal_dir`` and of every ``task_sets`` entry (any format ``envs.load_taskset``
+    detects: Terminal-Bench, Harbor, HumanEval JSONL), HumanEval slices, and every problem of
+    ``code_file`` (HumanEval format). Tasks named in ``terminal_eval_ids`` (by full id or without
+    the ``tb/``/``harbor/`` prefix) are held out for evaluation; the rest train.
 
     Returns:
         (tasks by id, split by id (``train``/``eval``), load errors naming the file).
 
     Raises:
         ValueError: the HumanEval train and eval slices overlap, or an eval id is not a task.
+        envs.task.TaskError: a task set path does not exist.
     """
     if humaneval_train + humaneval_eval > 164:
         raise ValueError(f"tasks.humaneval_train ({humaneval_train}) + tasks.humaneval_eval ({humaneval_eval}) "
                          "> 164: the train and held-out HumanEval problems would overlap")
-    terminal, errors = load_terminal_tasks(terminal_dir) if terminal_dir is not None else ([], [])
-    tasks, split = {}, {}
-    for t in terminal:
-        tasks[t.task_id] = t
-        split[t.task_id] = "eval" if t.task_id.removeprefix("tb/") in terminal_eval_ids else "train"
-    unknown = set(terminal_eval_ids) - {t.task_id.removeprefix("tb/") for t in terminal}
+    tasks: dict[str, Task] = {}
+    split: dict[str, str] = {}
+    errors: list[str] = []
+    for root in ([terminal_dir] if terminal_dir is not None else []) + list(task_sets or []):
+        loaded, errs = load_taskset(root)
+        errors += errs
+        for t in loaded:
+            if t.task_id in tasks:
+                errors.append(f"{root}: task id {t.task_id} already loaded from another set; kept the first")
+                continue
+            tasks[t.task_id] = t
+            held_out = t.task_id in terminal_eval_ids or _short_id(t.task_id) in terminal_eval_ids
+            split[t.task_id] = "eval" if held_out else "train"
+    unknown = set(terminal_eval_ids) - set(tasks) - {_short_id(t) for t in tasks}
     if unknown:
-        raise ValueError(f"tasks.terminal_eval_ids: {sorted(unknown)} are not tasks in {terminal_dir}")
+        raise ValueError(f"tasks.terminal_eval_ids: {sorted(unknown)} are not tasks of the configured task sets")
     for t in load_humaneval(path=str(code_file)) if code_file is not None else []:
         tasks[t.task_id], split[t.task_id] = t, "train"
     for t in load_humaneval(first=humaneval_train) if humaneval_train else []:
@@ -68,31 +96,144 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
     return tasks, split, errors
 
 
-def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[str, str],
-                  max_parallel_builds: int = 2) -> tuple[list[EnvEntry], dict[str, str]]:
-    """Build every terminal task's image (bounded concurrency); code tasks use the base image.
+def _tree_hash(folder: Path | None) -> str:
+    """sha256 over a folder's relative paths and file bytes (empty string for None)."""
+    if folder is None:
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def validation_key(task: Task, image_digest: str) -> str:
+    """Hash of everything a validation verdict depends on (image, tests, solution, verifier)."""
+    parts = [task.verifier, image_digest, _tree_hash(task.tests_dir), task.solution or "", task.test_program,
+             task.prompt, repr(task.verifier_timeout_s)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+DO_NOTHING_BODY = "    pass\n"
+
+
+def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool, str]:
+    """Run the reference solution (must verify as success) and a do-nothing agent (must not).
+
+    Terminal tasks: the solution script runs as the agent would (then is deleted), and the task's
+    own verifier scores the sandbox; the do-nothing agent is verified in a fresh sandbox. Code
+    tasks: the solution program and the prompt with a ``pass`` body are verified.
 
     Returns:
-        (one entry per task, build logs by task id).
+        (ok, message): ``ok`` False names what failed (``reference solution scored 0.0 (tests_failed)``,
+        ``a do-nothing agent passes``, ``no reference solution``), with the verifier's log tail.
+
+    Raises:
+        SandboxInfraError: the sandbox failed (validation could not run; not the task's fault).
+    """
+    if task.solution is None:
+        return False, "no reference solution (solution.sh, solution/solve.sh or canonical_solution)"
+
+    def run(with_solution: bool) -> Verdict:
+        limits = {"cpus": task.cpus, "memory_mb": task.memory_mb, "network": task.allow_internet}
+        box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **limits)
+        try:
+            if task.kind == "code":
+                body = task.solution if with_solution else task.prompt + DO_NOTHING_BODY
+                return verify_code(box, task, f"{body}\n\n{task.test_program}")
+            if with_solution:
+                box.put_file(task.solution.encode(), "/agentrl-solution.sh")
+                r = box.exec("bash /agentrl-solution.sh; rc=$?; rm -f /agentrl-solution.sh; exit $rc",
+                             timeout_s=max(task.agent_timeout_s, 30.0))
+                if r.timed_out:
+                    return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", r.output[-2000:])
+                v = verify_task(box, task)
+                return Verdict(v.reward, v.outcome, v.reason, f"solution exit {r.exit_code}: {r.output[-300:]}\n"
+                                                              f"verifier: {v.log}")
+            return verify_task(box, task)
+        finally:
+            box.close()
+
+    solved = run(True)
+    if solved.outcome != Outcome.SUCCESS:
+        return False, f"reference solution scored {solved.reward} ({solved.reason}): {solved.log[-500:]}"
+    idle = run(False)
+    if idle.outcome == Outcome.SUCCESS:
+        return False, "a do-nothing agent passes (the tests check nothing the agent must do)"
+    return True, f"reference solution passes; do-nothing scores {idle.reward} ({idle.reason})"
+
+
+def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[str, str],
+                  max_parallel_builds: int = 2, validate: bool = True,
+                  base_images: dict[str, str] | None = None, fallback_base: str | None = BASE_IMAGE,
+                  cache_get: Callable[[str], dict | None] | None = None,
+                  cache_put: Callable[[str, dict], None] | None = None) -> tuple[list[EnvEntry], dict[str, str]]:
+    """Build every terminal task's image (bounded concurrency), then validate every task.
+
+    Code tasks use the base image. A build failure or a failed validation marks the task unusable
+    with the reason; the others go on.
+
+    Args:
+        backend: Docker backend.
+        tasks: tasks by id.
+        split: ``train``/``eval`` by task id.
+        max_parallel_builds: image builds (and validations) at once.
+        validate: run the validation gate (False: every built task is usable, marked ``skipped``).
+        base_images: ``FROM`` pattern -> local image (see ``map_base_images``).
+        fallback_base: image for a ``FROM`` neither local nor mapped (None: the build fails).
+        cache_get: validation cache lookup by :func:`validation_key` (None: no cache).
+        cache_put: validation cache store.
+
+    Returns:
+        (one entry per task, build and validation logs by task id).
     """
     base_digest = backend.image_digest(BASE_IMAGE)
     logs: dict[str, str] = {}
 
     def build(task: Task) -> EnvEntry:
         if task.kind != "terminal":
-            return EnvEntry(task.task_id, split[task.task_id], BASE_IMAGE, base_digest, False, True)
+            return EnvEntry(task.task_id, split[task.task_id], BASE_IMAGE, base_digest, False, True,
+                            task_format=task.task_format)
         assert task.build_context is not None
         name = task.task_id.removeprefix("tb/")
         try:
-            tag, built, log = backend.build_image(name, task.build_context)
-        except (docker.errors.BuildError, docker.errors.APIError) as e:
+            tag, built, log = backend.build_image(name, task.build_context, task.dockerfile, base_images,
+                                                  fallback_base)
+        except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
             logs[task.task_id] = "".join(str(c.get("stream", "")) for c in getattr(e, "build_log", []) or [])
-            return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}")
+            return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}",
+                            task_format=task.task_format)
         logs[task.task_id] = log
-        return EnvEntry(task.task_id, split[task.task_id], tag, backend.image_digest(tag), built, True)
+        return EnvEntry(task.task_id, split[task.task_id], tag, backend.image_digest(tag), built, True,
+                        task_format=task.task_format)
+
+    def check(entry: EnvEntry) -> EnvEntry:
+        if not entry.usable:
+            return entry
+        if not validate:
+            return EnvEntry(**{**asdict(entry), "validation": "skipped"})
+        task = tasks[entry.task_id]
+        key = validation_key(task, entry.image_digest)
+        cached = cache_get(key) if cache_get else None
+        if cached is None:
+            try:
+                ok, message = validate_task(backend, task, entry.image)
+            except SandboxInfraError as e:  # not the task's fault: unusable this run, not cached
+                return EnvEntry(**{**asdict(entry), "usable": False, "reason": f"validation could not run: {e}",
+                                   "validation": "infra_failure"})
+            cached = {"ok": ok, "message": message, "task_id": task.task_id}
+            if cache_put:
+                cache_put(key, cached)
+        logs[entry.task_id] = logs.get(entry.task_id, "") + f"\nvalidation: {cached['message']}\n"
+        if cached["ok"]:
+            return EnvEntry(**{**asdict(entry), "validation": "passed"})
+        return EnvEntry(**{**asdict(entry), "usable": False, "reason": f"validation failed: {cached['message']}",
+                           "validation": "failed"})
 
     with ThreadPoolExecutor(max_workers=max_parallel_builds) as pool:
         entries = list(pool.map(build, tasks.values()))
+    with ThreadPoolExecutor(max_workers=max(2, max_parallel_builds)) as pool:
+        entries = list(pool.map(check, entries))
     return entries, logs
 
 

@@ -21,13 +21,28 @@ def image_asset(image: str) -> str:
 
 @task(name="build_envs", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def build_envs(config: RunConfig) -> str:
-    """Load every task, build images (keyed by build-context hash), write ``envs.json``; returns its URI.
+    """Load every task, build images (keyed by build-context hash), validate, write ``envs.json``; returns its URI.
 
-    Tasks that fail to load or build are listed as unusable with the reason; the flow goes on.
+    Tasks that fail to load, build or validate are listed as unusable with the reason; the flow
+    goes on. Validation verdicts are cached under ``s3://{bucket}/validation/{key}.json``.
     """
     rt = runtime(config)
     tasks, split, errors = load_run_tasks(config)
-    entries, logs = build_catalog(rt.backend, tasks, split)
+    cache_root = f"s3://{config.storage.bucket}/validation"
+
+    def cache_get(key: str) -> dict | None:
+        try:
+            return json.loads(rt.fs.cat_file(f"{cache_root}/{key}.json"))
+        except FileNotFoundError:
+            return None
+
+    def cache_put(key: str, value: dict) -> None:
+        rt.fs.pipe_file(f"{cache_root}/{key}.json", json.dumps(value).encode())
+
+    t = config.tasks
+    entries, logs = build_catalog(rt.backend, tasks, split, validate=t.validate, base_images=t.base_images,
+                                  fallback_base=t.fallback_base_image or None, cache_get=cache_get,
+                                  cache_put=cache_put)
     catalog = catalog_to_json(entries, errors)
     uri = f"{run_uri(config)}/envs.json"
     rt.fs.pipe_file(uri, json.dumps(catalog, indent=1).encode())
@@ -39,8 +54,8 @@ def build_envs(config: RunConfig) -> str:
         log.warning("task folder not loaded: %s", err)
     create_table_artifact(
         key=artifact_key(config.run_id, "envs"),
-        table=[{"task": e.task_id, "split": e.split, "image": e.image, "built": e.built, "usable": e.usable,
-                "reason": e.reason} for e in entries if e.image != "agentrl-base:bookworm" or not e.usable],
+        table=[{"task": e.task_id, "format": e.task_format, "split": e.split, "image": e.image, "built": e.built,
+                "validation": e.validation, "usable": e.usable, "reason": e.reason[:300]} for e in entries],
         description=f"Environments of run {config.run_id}: {sum(e.usable for e in entries)}/{len(entries)} usable",
     )
     return uri

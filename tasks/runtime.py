@@ -8,6 +8,7 @@ per run id, created on first use.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,9 @@ class Runtime:
             from infra.sandbox.docker_backend import DockerBackend
 
             self._backend = DockerBackend()
+            reaped = self._backend.reap_orphans()
+            if reaped:
+                logging.getLogger(__name__).warning("removed %d sandbox containers left by crashed runs", reaped)
         return self._backend
 
     @property
@@ -115,7 +119,7 @@ def load_run_tasks(config: RunConfig):
 
     t = config.tasks
     return load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids, t.humaneval_train, t.humaneval_eval,
-                      resolve_path(t.code_file))
+                      resolve_path(t.code_file), [resolve_path(p) for p in t.task_sets if p])
 
 
 def runtime(config: RunConfig) -> Runtime:

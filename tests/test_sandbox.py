@@ -71,20 +71,13 @@ def test_image_tag_follows_build_context_and_excludes_hidden_files(backend, tmp_
 
 @pytest.mark.parametrize("name", sorted(p.name for p in TERMINAL.iterdir() if p.is_dir()))
 def test_reference_solution_passes_and_doing_nothing_fails(backend, name):
+    from infra.environments import validate_task
+
     task = load_terminal_task(TERMINAL / name)
-    tag, _, _ = backend.build_image(name, task.build_context)
-    solved = backend.start(tag, {"agentrl.test": "validate"})
-    idle = backend.start(tag, {"agentrl.test": "validate"})
-    try:
-        solved.put_file((task.build_context / "solution.sh").read_bytes(), "/tmp/solution.sh")
-        assert solved.exec("bash /tmp/solution.sh", 30).exit_code == 0
-        verdict = verify_terminal(solved, task)
-        assert verdict.outcome == Outcome.SUCCESS and verdict.reward == 1.0, verdict.log
-        verdict = verify_terminal(idle, task)
-        assert verdict.outcome == Outcome.MODEL_FAILURE and verdict.reward == 0.0
-    finally:
-        solved.close()
-        idle.close()
+    tag, _, _ = backend.build_image(name, task.build_context, task.dockerfile, fallback_base=BASE_IMAGE)
+    ok, message = validate_task(backend, task, tag)
+    assert ok, message
+    assert message.startswith("reference solution passes; do-nothing scores 0.0 (tests_failed)")
 
 
 def test_agent_made_tests_dir_is_replaced(backend):
@@ -128,7 +121,8 @@ def test_failed_build_marks_task_unusable_others_go_on(backend, tmp_path):
     "printf 'import pytest\\ndef pytest_runtest_setup(item):\\n    pytest.skip(\"x\")\\n' > /app/conftest.py;"
     " printf '[pytest]\\naddopts = -k nothing_matches\\n' > /app/pytest.ini; cp /app/pytest.ini /pytest.ini",
     # a pre-written passing report
-    "printf '<testsuite tests=\"1\" failures=\"0\" errors=\"0\" skipped=\"0\"/>' > /tmp/agentrl-verdict.xml",
+    "mkdir -p /tests && printf '<testsuite tests=\"1\" failures=\"0\" errors=\"0\" skipped=\"0\"/>'"
+    " > /tests/.agentrl-verdict.xml",
 ])
 def test_planted_configuration_does_not_earn_reward(backend, plant):
     task = load_terminal_task(TERMINAL / "hello-file")

@@ -79,3 +79,126 @@ def test_code_file_tasks_load_for_training(tmp_path):
     bad.write_text('{"task_id": "X/0", "prompt": "def f():\\n"}\n')
     with pytest.raises(ValueError, match="bad.jsonl: problem X/0 lacks fields \\['entry_point', 'test'\\]"):
         load_tasks(None, [], 0, 0, bad)
+
+
+HARBOR = Path(__file__).parent.parent / "envs" / "harbor"
+
+
+def test_shipped_harbor_tasks_load():
+    from envs.harbor import load_harbor_task
+
+    tasks = [load_harbor_task(p) for p in sorted(HARBOR.iterdir()) if p.is_dir()]
+    assert len(tasks) >= 3
+    by_id = {t.task_id: t for t in tasks}
+    greet = by_id["harbor/write-greeting"]
+    assert (greet.task_format, greet.verifier, greet.kind) == ("harbor", "harbor", "terminal")
+    assert greet.agent_timeout_s == 120.0 and greet.verifier_timeout_s == 30.0
+    assert greet.cpus == 1.0 and greet.memory_mb == 512 and greet.allow_internet is False
+    assert greet.build_context == HARBOR / "write-greeting" / "environment"
+    assert greet.solution and "Hello, Harbor!" in greet.solution
+    assert by_id["harbor/fix-median"].memory_mb == 512  # memory = "512M"
+    assert "file-operations" in greet.tags and greet.difficulty == "easy"
+
+
+def test_compose_task_builds_from_its_single_service():
+    from envs.terminal_bench import load_terminal_task
+
+    t = load_terminal_task(TERMINAL / "csv-column")
+    assert t.dockerfile == "Dockerfile" and t.task_format == "terminal-bench" and t.solution
+
+
+def _harbor_copy(tmp_path, name="t"):
+    dst = tmp_path / name
+    shutil.copytree(HARBOR / "write-greeting", dst)
+    return dst
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: (d / "task.toml").write_text("[agent\ntimeout_sec = 1\n"), "task.toml: not valid TOML"),
+    (lambda d: (d / "instruction.md").unlink(), "instruction.md: missing or empty"),
+    (lambda d: (d / "instruction.md").write_text("  \n"), "instruction.md: missing or empty"),
+    (lambda d: (d / "environment" / "Dockerfile").unlink(), "environment/Dockerfile: missing"),
+    (lambda d: (d / "tests" / "test.sh").unlink(), "tests/test.sh: missing"),
+    (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = 'soon'\n"),
+     "task.toml: field 'agent.timeout_sec' must be a positive number of seconds"),
+    (lambda d: (d / "task.toml").write_text("[environment]\nmemory = 'lots'\n"),
+     "task.toml: field 'environment.memory_mb' must be a positive size"),
+    (lambda d: (d / "task.toml").write_text("[environment]\nallow_internet = 'yes'\n"),
+     "field 'environment.allow_internet' must be true or false"),
+])
+def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
+    from envs import load_taskset
+
+    _harbor_copy(tmp_path, "good")
+    mutate(_harbor_copy(tmp_path, "bad"))
+    tasks, errors = load_taskset(tmp_path)
+    assert [t.task_id for t in tasks] == ["harbor/good"]
+    assert len(errors) == 1 and "/bad/" in errors[0] and message in errors[0], errors
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: (d / "task.yaml").write_text("instruction: hi\nparser_name: swebench\n"),
+     "task.yaml: field 'parser_name' is 'swebench'; supported: pytest"),
+    (lambda d: (d / "task.yaml").write_text("difficulty: easy\n"), "task.yaml: field 'instruction' must be"),
+    (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: .}\n  db: {image: postgres}\n"),
+     "docker-compose.yaml: field 'services' must hold exactly one service, found 2"),
+    (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {image: ubuntu}\n"),
+     "docker-compose.yaml: field 'services.a.build' missing"),
+    (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: {dockerfile: Nope}}\n"),
+     "field 'services.a.build.dockerfile' names 'Nope'"),
+])
+def test_bad_terminal_bench_task_names_file_and_field(tmp_path, mutate, message):
+    from envs import load_taskset
+
+    shutil.copytree(TERMINAL / "csv-column", tmp_path / "good")
+    shutil.copytree(TERMINAL / "csv-column", tmp_path / "bad")
+    mutate(tmp_path / "bad")
+    tasks, errors = load_taskset(tmp_path)
+    assert [t.task_id for t in tasks] == ["tb/good"]
+    assert len(errors) == 1 and "/bad/" in errors[0] and message in errors[0], errors
+
+
+def test_load_taskset_detects_each_format(tmp_path):
+    from envs import load_taskset
+    from envs.taskset import detect_format
+
+    shutil.copytree(TERMINAL / "hello-file", tmp_path / "tb-task")
+    shutil.copytree(HARBOR / "count-words", tmp_path / "harbor-task")
+    shutil.copy(Path(__file__).parent.parent / "envs" / "simple_code" / "problems.jsonl", tmp_path / "code.jsonl")
+    (tmp_path / "notes").mkdir()
+    assert [detect_format(tmp_path / n) for n in ("tb-task", "harbor-task", "code.jsonl", "notes")] == [
+        "terminal-bench", "harbor", "humaneval", None]
+    tasks, errors = load_taskset(tmp_path)
+    formats = sorted({t.task_format for t in tasks})
+    assert formats == ["harbor", "humaneval", "terminal-bench"] and len(tasks) == 14
+    assert errors == [f"{tmp_path / 'notes'}: neither task.toml (Harbor) nor task.yaml (Terminal-Bench) found"]
+    one, errs = load_taskset(tmp_path / "harbor-task")  # a single task folder
+    assert [t.task_id for t in one] == ["harbor/harbor-task"] and errs == []
+    with pytest.raises(TaskError, match="task set not found"):
+        load_taskset(tmp_path / "missing")
+    assert all(t.solution for t in tasks)  # every shipped task carries its reference solution
+
+
+def test_base_image_mapping_rewrites_only_unpullable_from_lines():
+    from infra.sandbox.docker_backend import map_base_images
+
+    dockerfile = ("FROM ubuntu:24.04 AS build\nRUN make\nFROM --platform=linux/amd64 python:3.13-slim\n"
+                  "COPY --from=build /out /out\nFROM build\nFROM local/have:1\nFROM scratch\n")
+    text, mapped = map_base_images(dockerfile, {"python:*": "py-local"}, local={"local/have:1"},
+                                   fallback="base-local")
+    assert mapped == {"ubuntu:24.04": "base-local", "python:3.13-slim": "py-local"}
+    assert text.splitlines() == ["FROM base-local AS build", "RUN make", "FROM --platform=linux/amd64 py-local",
+                                 "COPY --from=build /out /out", "FROM build", "FROM local/have:1", "FROM scratch"]
+    same, none = map_base_images(dockerfile, {}, local=None, fallback="base-local")
+    assert same == dockerfile and none == {}
+
+
+@pytest.mark.parametrize(("txt", "js", "want"), [
+    (b"1\n", None, 1.0), (b" 0.25 ", None, 0.25), (None, b'{"reward": 1}', 1.0), (None, b'{"reward": 0.0}', 0.0),
+    (b"yes", None, None), (None, b"[1]", None), (None, b'{"score": 1}', None), (b"1.5", None, None),
+    (b"nan", None, None), (None, None, None), (b"0", b'{"reward": 1}', 0.0),
+])
+def test_harbor_reward_parsing(txt, js, want):
+    from envs.verify import parse_reward
+
+    assert parse_reward(txt, js) == want

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from envs.agent import FORMAT_REMINDER, initial_messages, observation, parse_action
 from envs.humaneval import extract_program
 from envs.task import Outcome, Task
-from envs.verify import Verdict, verify_code, verify_terminal
+from envs.verify import Verdict, verify_code, verify_task
 from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
@@ -157,7 +157,8 @@ class Collector:
         start = time.monotonic()
         e.queue_s = start - e.created_s
         try:
-            e.sandbox = self.backend.start(e.image, {"agentrl.episode": e.episode_id})
+            e.sandbox = self.backend.start(e.image, {"agentrl.episode": e.episode_id}, cpus=e.task.cpus,
+                                           memory_mb=e.task.memory_mb, network=e.task.allow_internet)
             e.sandbox_id = e.sandbox.sandbox_id
         except SandboxInfraError as err:
             e.infra_reason = err.reason
@@ -227,7 +228,7 @@ class Collector:
         try:
             if e.task.kind == "terminal":
                 assert e.sandbox is not None
-                e.verdict = verify_terminal(e.sandbox, e.task)
+                e.verdict = verify_task(e.sandbox, e.task)
             else:
                 t0 = time.monotonic()
                 e.sandbox = self.backend.start(self.code_image, {"agentrl.episode": e.episode_id})

@@ -1,9 +1,16 @@
 """Docker sandbox backend and task image builds (docker SDK).
 
-Isolation guaranteed here: no network (``network_mode=none``), all capabilities dropped,
-``no-new-privileges``, memory/CPU/pids limits, every container labelled ``agentrl=1`` so a
-crashed run's leftovers can be reaped by label. Not guaranteed: protection against kernel
-exploits (containers share the host kernel), or limits on disk use beyond the engine's defaults.
+Isolation guaranteed here: no network (``network_mode=none``; a task may opt in), all
+capabilities dropped, ``no-new-privileges``, memory/CPU/pids limits (the task's own when it sets
+them), a size-limited tmpfs ``/tmp`` (which the engine's archive API, and so ``put_file``/``get_file``,
+cannot see: keep files exchanged with the sandbox elsewhere), every container labelled ``agentrl=1`` plus the owning
+process (``agentrl.owner``) so the leftovers of a crashed run are reaped by label. Not
+guaranteed: protection against kernel exploits (containers share the host kernel), or a bound on
+what the agent writes outside ``/tmp`` (overlay2 on ext4 has no per-container quota).
+
+Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here:
+``build_image`` rewrites such ``FROM`` lines through a base-image mapping (default: every
+image not present locally becomes the local base image) and reports what it mapped.
 
 Per-command deadlines are enforced inside the container with ``timeout -s KILL`` so that a
 command hitting its deadline (exit 137) is told apart from a client-side socket timeout.
@@ -11,8 +18,12 @@ command hitting its deadline (exit 137) is told apart from a client-side socket 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
+import os
+import re
+import socket
 import tarfile
 import time
 from pathlib import Path
@@ -29,16 +40,57 @@ OUTPUT_LIMIT_BYTES = 16_384
 _HIDDEN = ("tests", "solution.sh", "task.yaml", "run-tests.sh")
 
 
-def _context_tar(folder: Path) -> tuple[bytes, str]:
-    """Deterministic tar of a build context (hidden files excluded) and its sha256."""
+_FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE | re.MULTILINE)
+
+
+def map_base_images(dockerfile: str, mapping: dict[str, str], local: set[str] | None = None,
+                    fallback: str | None = None) -> tuple[str, dict[str, str]]:
+    """Rewrite ``FROM`` lines whose image cannot be pulled here.
+
+    Args:
+        dockerfile: Dockerfile text.
+        mapping: glob pattern (``ubuntu:*``, ``ghcr.io/laude-institute/*``) -> local image, tried in order.
+        local: image names present on the engine (left alone); None: check only ``mapping``.
+        fallback: image for a ``FROM`` that is neither local nor mapped (None: leave it, the build fails).
+
+    Returns:
+        (new Dockerfile, {original image: replacement}). Build-stage names (``FROM x AS y`` then
+        ``FROM y``) and ``scratch`` are never rewritten.
+    """
+    stages = {m.group(4).split()[-1].lower() for m in _FROM.finditer(dockerfile)
+              if m.group(4).strip().lower().startswith("as ")}
+    replaced: dict[str, str] = {}
+
+    def sub(m: re.Match[str]) -> str:
+        image = m.group(3)
+        if image.lower() in stages or image == "scratch" or (local is not None and image in local):
+            return m.group(0)
+        target = next((v for k, v in mapping.items() if fnmatch.fnmatchcase(image, k)), None)
+        if target is None and local is not None and image not in local:
+            target = fallback
+        if target is None or target == image:
+            return m.group(0)
+        replaced[image] = target
+        return f"{m.group(1)}{m.group(2)}{target}{m.group(4)}"
+
+    return _FROM.sub(sub, dockerfile), replaced
+
+
+def _context_tar(folder: Path, dockerfile: str = "Dockerfile",
+                 rewrite: dict[str, str] | None = None) -> tuple[bytes, str]:
+    """Deterministic tar of a build context (hidden files excluded) and its sha256.
+
+    ``rewrite`` replaces files' contents by relative path (the Dockerfile after base-image mapping).
+    """
     buf = io.BytesIO()
+    rewrite = rewrite or {}
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for path in sorted(folder.rglob("*")):
             rel = path.relative_to(folder)
             if rel.parts[0] in _HIDDEN or not path.is_file():
                 continue
             info = tarfile.TarInfo(str(rel))
-            data = path.read_bytes()
+            data = rewrite[str(rel)].encode() if str(rel) in rewrite else path.read_bytes()
             info.size, info.mode, info.mtime = len(data), path.stat().st_mode & 0o777, 0
             tar.addfile(info, io.BytesIO(data))
     raw = buf.getvalue()
@@ -49,7 +101,7 @@ class DockerBackend:
     """Starts sandboxes on a Docker engine and builds task images."""
 
     def __init__(self, client: docker.DockerClient | None = None, mem_limit: str = "512m",
-                 nano_cpus: int = 1_000_000_000, pids_limit: int = 256):
+                 nano_cpus: int = 1_000_000_000, pids_limit: int = 256, tmp_size_mb: int = 256):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
 
         Raises:
@@ -61,59 +113,143 @@ class DockerBackend:
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             raise SandboxInfraError("engine_unreachable", f"Docker engine not reachable: {e}") from e
         self.mem_limit, self.nano_cpus, self.pids_limit = mem_limit, nano_cpus, pids_limit
+        self.tmp_size_mb = tmp_size_mb
 
-    def build_image(self, name: str, context: Path) -> tuple[str, bool, str]:
+    def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
+                    base_images: dict[str, str] | None = None,
+                    fallback_base: str | None = None) -> tuple[str, bool, str]:
         """Build ``context``'s Dockerfile, tagged by the hash of its build context.
 
         The context excludes the hidden tests and the reference solution. An image whose tag
-        already exists is not rebuilt.
+        already exists is not rebuilt. ``FROM`` images that are neither present on the engine nor
+        left alone by ``base_images`` are rewritten (see :func:`map_base_images`); the mapping
+        applied is part of the hashed context and listed at the top of the returned log.
 
         Returns:
             (tag, built, log): ``agentrl-task-{name}:{hash[:16]}``, whether a build ran, build log.
 
         Raises:
             docker.errors.BuildError: the Dockerfile failed to build (its log is in the error).
+            FileNotFoundError: ``dockerfile`` is not in ``context``.
         """
-        raw, digest = _context_tar(context)
-        tag = f"agentrl-task-{name}:{digest[:16]}"
+        text = (context / dockerfile).read_text()
+        local = {t for img in self.client.images.list() for t in img.tags}
+        mapped_text, mapped = map_base_images(text, base_images or {}, local, fallback_base)
+        raw, digest = _context_tar(context, dockerfile, {dockerfile: mapped_text} if mapped else None)
+        tag = f"agentrl-task-{name.replace('/', '-').lower()}:{digest[:16]}"
+        note = "".join(f"base image {k} -> {v} (not pullable here)\n" for k, v in mapped.items())
         try:
             self.client.images.get(tag)
-            return tag, False, ""
+            return tag, False, note
         except docker.errors.ImageNotFound:
             pass
         _, log = self.client.images.build(fileobj=io.BytesIO(raw), custom_context=True, tag=tag,
-                                          network_mode="none", rm=True, forcerm=True,
+                                          dockerfile=dockerfile, network_mode="none", rm=True, forcerm=True,
                                           labels={LABEL: "1"})
-        return tag, True, "".join(str(chunk.get("stream", "")) for chunk in log)
+        return tag, True, note + "".join(str(chunk.get("stream", "")) for chunk in log)
+
+    def snapshot(self, sandbox: DockerSandbox, repository: str, tag: str) -> str:
+        """Commit a set-up sandbox as an image (``docker commit``), so attempts start from its state.
+
+        Returns:
+            ``repository:tag``.
+
+        Raises:
+            SandboxInfraError: the commit failed.
+        """
+        sandbox._api("commit", sandbox._container.commit, repository=repository, tag=tag,
+                     conf={"Labels": {LABEL: "1"}})
+        return f"{repository}:{tag}"
 
     def image_digest(self, image: str) -> str:
         """The image's content id (``sha256:...``), recorded so an episode can be replayed."""
         return self.client.images.get(image).id
 
-    def start(self, image: str, labels: dict[str, str]) -> DockerSandbox:
-        """Start an isolated container running ``sleep infinity`` with a tmpfs-free /app work dir.
+    def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
+              memory_mb: int | None = None, network: bool = False) -> DockerSandbox:
+        """Start an isolated container running ``sleep infinity`` (work dir ``/app``).
+
+        Args:
+            image: image to start.
+            labels: extra labels (``agentrl=1`` and ``agentrl.owner`` are always added).
+            cpus: CPU limit (None: the backend's default).
+            memory_mb: memory limit in MiB, swap included (None: the backend's default).
+            network: give the sandbox the engine's default network (tasks that opt in); else none.
 
         Raises:
             SandboxInfraError: reason ``sandbox_start_failed``.
         """
+        mem = f"{memory_mb}m" if memory_mb else self.mem_limit
         try:
             container = self.client.containers.run(
-                image, ["sleep", "infinity"], detach=True, network_mode="none", init=True,
-                mem_limit=self.mem_limit, memswap_limit=self.mem_limit, nano_cpus=self.nano_cpus,
+                image, ["sleep", "infinity"], detach=True, network_mode=None if network else "none", init=True,
+                mem_limit=mem, memswap_limit=mem,
+                nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                labels={LABEL: "1", **labels}, working_dir="/app",
+                tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777"},
+                labels={LABEL: "1", OWNER_LABEL: owner_id(), **labels}, working_dir="/app",
             )
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}") from e
-        return DockerSandbox(container)
+        box = DockerSandbox(container)
+        try:
+            box._main_pids()  # before any agent command: the processes verification keeps alive
+        except SandboxInfraError:
+            box.close()
+            raise
+        return box
 
     def reap(self, labels: dict[str, str] | None = None) -> int:
         """Remove every container carrying our label (and ``labels``); returns how many."""
         filters = [f"{LABEL}=1"] + [f"{k}={v}" for k, v in (labels or {}).items()]
         containers = self.client.containers.list(all=True, filters={"label": filters})
         for c in containers:
-            c.remove(force=True)
+            try:
+                c.remove(force=True)
+            except docker.errors.NotFound:
+                pass
         return len(containers)
+
+    def reap_orphans(self) -> int:
+        """Remove containers left by a crashed run.
+
+        Those labelled ``agentrl=1`` whose owner process (``agentrl.owner``, ``host:pid``) ran on
+        this host and no longer runs. Containers of live processes are never touched.
+
+        Returns:
+            How many were removed.
+        """
+        host = socket.gethostname()
+        removed = 0
+        for c in self.client.containers.list(all=True, filters={"label": f"{LABEL}=1"}):
+            owner = c.labels.get(OWNER_LABEL, "")
+            owner_host, _, pid = owner.rpartition(":")
+            if owner_host != host or not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            try:
+                c.remove(force=True)
+                removed += 1
+            except docker.errors.NotFound:
+                pass
+        return removed
+
+
+OWNER_LABEL = "agentrl.owner"
+
+
+def owner_id() -> str:
+    """``host:pid`` of this process, the owner label of every container it starts."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class DockerSandbox:
@@ -122,6 +258,14 @@ class DockerSandbox:
     def __init__(self, container):
         self._container = container
         self.sandbox_id = container.short_id
+        self._keep_pids: tuple[int, ...] | None = None
+
+    def _main_pids(self) -> tuple[int, ...]:
+        """Pids (inside the container) of init and the ``sleep`` it runs, read once, before any agent command."""
+        if self._keep_pids is None:
+            r = self._api("exec", self._container.exec_run, ["cat", "/proc/1/task/1/children"])
+            self._keep_pids = (1, *(int(p) for p in (r.output or b"").split()))
+        return self._keep_pids
 
     def _api(self, what: str, fn, *args, **kwargs):
         try:
@@ -145,13 +289,38 @@ class DockerSandbox:
         result = self._api("exec", self._container.exec_run, argv, workdir=workdir, demux=False)
         output = (result.output or b"")[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
         exit_code = int(result.exit_code if result.exit_code is not None else -1)
-        # Exit 137 from `timeout -s KILL` is the command's own deadline; confirm the container
-        # itself is still alive, else the kill came from outside (OOM of the sandbox, docker kill).
+        duration_s = time.monotonic() - start
+        # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
+        # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
+        # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container
+        # itself is no longer running, which is an infra failure.
         if exit_code == 137:
             self._api("inspect", self._container.reload)
             if self._container.status != "running":
                 raise SandboxInfraError("container_vanished", f"{self.sandbox_id} stopped during exec")
-        return ExecResult(exit_code, output, exit_code == 137, time.monotonic() - start)
+        timed_out = exit_code == 137 and duration_s >= timeout_s
+        return ExecResult(exit_code, output, timed_out, duration_s)
+
+    def stop_agent_processes(self) -> int:
+        """SIGKILL every process in the container except init and its ``sleep``.
+
+        Called before verification, so nothing the agent left running can touch the tests or the
+        reward file.
+
+        Returns:
+            How many processes were signalled.
+
+        Raises:
+            SandboxInfraError: the container is gone or the engine failed.
+        """
+        keep = " ".join(str(p) for p in self._main_pids())
+        script = (f"n=0; for d in /proc/[0-9]*; do p=${{d#/proc/}}; case \" {keep} $$ \" in *\" $p \"*) ;; "
+                  "*) kill -9 $p 2>/dev/null && n=$((n+1));; esac; done; echo $n")
+        r = self._api("exec", self._container.exec_run, ["sh", "-c", script])
+        try:
+            return int((r.output or b"0").split()[-1])
+        except (ValueError, IndexError):
+            return 0
 
     def put_dir(self, local_dir: Path, dest: str) -> None:
         """Replace ``dest`` with the contents of ``local_dir`` (as root, mode kept)."""
