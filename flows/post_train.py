@@ -33,7 +33,8 @@ DEFAULT_CONFIG = RunConfig()
 def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     """Run ``config.steps`` GRPO steps of agentic RL post-training; returns one summary per step run.
 
-    Summary keys: step, time_to_batch_s, reward_mean, outcomes, policy_lag_max, the mismatch and
+    Summary keys: step, time_to_batch_s, reward_mean, outcomes, infra_reasons (reason code -> count),
+    retried, sandbox_warm, sandbox_acquire_p50_s, policy_lag_max, the mismatch and
     importance-sampling metrics (logprob_abs_diff, kl_k1, kl_k3, ratio_p05/p95, tis_capped_frac,
     tis_masked_frac), rows_with_signal, checkpoint, eval_pass_at_1, and per-stage seconds.
     """
@@ -64,6 +65,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         summary = {
             "step": step, "time_to_batch_s": round(rollouts["time_to_batch_s"], 2),
             "reward_mean": round(rollouts["reward_mean"], 4), "outcomes": rollouts["outcomes"],
+            "infra_reasons": rollouts["infra_reasons"], "retried": rollouts["retried"],
+            "sandbox_warm": rollouts["sandbox_warm"],
+            "sandbox_acquire_p50_s": round(rollouts["sandbox_acquire_p50_s"], 3),
             "rows": rollouts["rows"], "policy_lag_max": metrics["policy_lag_max"],
             "logprob_abs_diff": metrics["logprob_abs_diff"], "kl_k1": metrics["kl_k1"], "kl_k3": metrics["kl_k3"],
             "ratio_p05": metrics["ratio_p05"], "ratio_p95": metrics["ratio_p95"],
@@ -86,6 +90,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
 def format_summary(s: dict) -> str:
     """One line per step for the terminal."""
     outcomes = " ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items()))
+    infra = " ".join(f"{k}={v}" for k, v in sorted(s.get("infra_reasons", {}).items()))
+    if infra:
+        outcomes += f" infra_reasons({infra}) retried={s.get('retried', 0)}"
     pass1 = "n/a" if s["eval_pass_at_1"] is None else f"{s['eval_pass_at_1']:.3f}"
     return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
             f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "

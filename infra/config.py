@@ -44,7 +44,7 @@ class TaskSetConfig(_Strict):
     (Terminal-Bench folders, Harbor folders, HumanEval JSONL), e.g. ``["envs/harbor"]``."""
     terminal_eval_ids: list[str] = Field(default_factory=list)
     """Task ids held out for evaluation (never trained on), with or without the ``tb/``/``harbor/`` prefix."""
-    validate: bool = True
+    validate_tasks: bool = True
     """Validation gate: run each task's reference solution (must pass) and a do-nothing agent (must not)
     before it is used; failures make the task unusable. Verdicts are cached in S3 by content hash."""
     base_images: dict[str, str] = Field(default_factory=dict)
@@ -76,6 +76,10 @@ class RolloutConfig(_Strict):
     """Base seed; episode seeds derive from (seed, step, group, sample)."""
     max_infra_retries: int = Field(1, ge=0, le=10)
     """Times an episode that ended in infra_failure is retried."""
+    warm_pool: bool = True
+    """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
+    warm_pool_max_idle: int = Field(16, ge=0, le=1024)
+    """Cap on idle started sandboxes per image."""
 
 
 class DifficultyConfig(_Strict):

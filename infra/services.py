@@ -749,6 +749,29 @@ def down(state_dir: str | os.PathLike[str] | None = None) -> list[str]:
     return stopped
 
 
+def restart_engine(state_dir: str | os.PathLike[str] | None = None, down_s: float = 0.0) -> None:
+    """Stop the dockerd ``up`` started (SIGTERM: containers stop with it) and start it again.
+
+    For fault tests and operators: what a batch sees when the engine restarts under it.
+
+    Args:
+        state_dir: State directory (default ``$AGENTRL_STATE`` or ``<repo root>/.state``).
+        down_s: seconds to stay down before starting again.
+
+    Raises:
+        RuntimeError: no dockerd was started from this state dir (an external engine is never touched),
+            or it did not come back.
+    """
+    state = state_path(state_dir)
+    if "dockerd" not in _running(state):
+        raise RuntimeError(f"no dockerd started from {state} is running; an engine we did not start is left alone")
+    pid_file = state / "dockerd.pid"
+    _stop(int(pid_file.read_text().strip()), STOP_TIMEOUT_S["dockerd"])
+    pid_file.unlink(missing_ok=True)
+    time.sleep(down_s)
+    _ensure_engine(state)
+
+
 def services_env(state_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """Return the service variables (``ENV_KEYS``) for clients of the services.
 

@@ -55,6 +55,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("verify_s", pa.float64()),
     ("engine_replica", pa.string()),
     ("sandbox_id", pa.string()),
+    ("sandbox_warm", pa.bool_()),
 ])
 _PER_TOKEN = ("loss_mask", "rollout_logprobs", "policy_versions")
 

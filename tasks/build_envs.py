@@ -40,7 +40,7 @@ def build_envs(config: RunConfig) -> str:
         rt.fs.pipe_file(f"{cache_root}/{key}.json", json.dumps(value).encode())
 
     t = config.tasks
-    entries, logs = build_catalog(rt.backend, tasks, split, validate=t.validate, base_images=t.base_images,
+    entries, logs = build_catalog(rt.backend, tasks, split, validate=t.validate_tasks, base_images=t.base_images,
                                   fallback_base=t.fallback_base_image or None, cache_get=cache_get,
                                   cache_put=cache_put)
     catalog = catalog_to_json(entries, errors)

@@ -31,7 +31,7 @@ def evaluate(config: RunConfig, catalog_uri: str, report_uri: str) -> dict:
     r = config.rollout
     settings = CollectSettings(group_size=1, temperature=0.0, top_p=1.0, max_tokens_per_turn=config.eval.max_tokens,
                                max_turns=r.max_turns, seed=r.seed, max_infra_retries=r.max_infra_retries)
-    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE)
+    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
     rows = collector.collect(f"{config.run_id}-eval", rt.policy_version, [rt.tasks[e["task_id"]] for e in held_out],
                              images)
     report = eval_report(rows, rt.policy_version, engine=f"vllm:{rt.engine.replica}", dtype=rt.engine.dtype)

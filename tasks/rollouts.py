@@ -24,7 +24,9 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     dependencies). Rewriting a step replaces its file, so a re-run never duplicates rows.
 
     Returns:
-        ``{"uri", "rows", "time_to_batch_s", "outcomes": {outcome: count}, "reward_mean", "bytes"}``.
+        ``{"uri", "rows", "time_to_batch_s", "outcomes": {outcome: count}, "reward_mean", "bytes",
+        "min_policy_version", "infra_reasons": {reason code: count}, "retried" (rows that are retries),
+        "sandbox_warm" (rows whose sandbox came from the warm pool), "sandbox_acquire_p50_s"}``.
     """
     rt = runtime(config)
     catalog = rt.load_catalog(catalog_uri)
@@ -32,7 +34,7 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     r = config.rollout
     settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
                                r.seed, r.max_infra_retries)
-    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE)
+    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
     progress = create_progress_artifact(0.0, description=f"step {step}: rollouts finished")
     start = time.monotonic()
 
@@ -45,10 +47,17 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     elapsed = time.monotonic() - start
     update_progress_artifact(progress, 100.0)
     outcomes: dict[str, int] = {}
+    infra_reasons: dict[str, int] = {}
     for row in rows:
         outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
+        if row["outcome"] == "infra_failure":
+            infra_reasons[row["reason"]] = infra_reasons.get(row["reason"], 0) + 1
+    acquire = sorted(row["sandbox_acquire_s"] for row in rows if row["sandbox_id"])
     versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
     add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size})
     return {"uri": uri, "rows": len(rows), "time_to_batch_s": elapsed, "outcomes": outcomes,
             "reward_mean": sum(row["reward"] for row in rows) / max(len(rows), 1), "bytes": size,
-            "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1)}
+            "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1),
+            "infra_reasons": infra_reasons, "retried": sum(row["attempt"] > 0 for row in rows),
+            "sandbox_warm": sum(row["sandbox_warm"] for row in rows),
+            "sandbox_acquire_p50_s": acquire[len(acquire) // 2] if acquire else 0.0}

@@ -48,6 +48,7 @@ class Runtime:
     tasks: dict[str, Task] = field(default_factory=dict)
     catalog: dict = field(default_factory=dict)
     _backend: object = None
+    _sandbox_pool: object = None
     _engine: object = None
     _trainer: object = None
 
@@ -62,6 +63,15 @@ class Runtime:
             if reaped:
                 logging.getLogger(__name__).warning("removed %d sandbox containers left by crashed runs", reaped)
         return self._backend
+
+    @property
+    def sandbox_pool(self):
+        """The warm sandbox pool (None when ``rollout.warm_pool`` is off)."""
+        if self._sandbox_pool is None and self.config.rollout.warm_pool:
+            from infra.sandbox.pool import WarmPool
+
+            self._sandbox_pool = WarmPool(self.backend, max_idle_per_image=self.config.rollout.warm_pool_max_idle)
+        return self._sandbox_pool
 
     @property
     def engine(self):
@@ -138,5 +148,7 @@ def runtime(config: RunConfig) -> Runtime:
 
 
 def close_runtime(run_id: str) -> None:
-    """Drop a run's live resources (engine, trainer) from this process."""
-    _RUNTIMES.pop(run_id, None)
+    """Drop a run's live resources (engine, trainer) from this process; idle warm sandboxes are removed."""
+    rt = _RUNTIMES.pop(run_id, None)
+    if rt is not None and rt._sandbox_pool is not None:
+        rt._sandbox_pool.close()

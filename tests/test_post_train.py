@@ -197,3 +197,116 @@ def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
             abs(a - b) for a, b in zip(after.logprobs, before.logprobs, strict=True)) > 1e-2
     finally:
         engine.load_weights(served_dir, served)
+
+
+# ------------------------------------------------------------------ replay and faults (issue 3)
+
+
+def _collector(config, retries: int = 1):
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import Collector, CollectSettings
+    from tasks.runtime import run_uri, runtime
+
+    rt = runtime(config)
+    catalog = rt.load_catalog(f"{run_uri(config)}/envs.json")
+    images = {e["task_id"]: (e["image"], e["image_digest"]) for e in catalog["tasks"] if e["usable"]}
+    settings = CollectSettings(group_size=2, temperature=1.0, top_p=1.0, max_tokens_per_turn=16, max_turns=2,
+                               seed=5, max_infra_retries=retries)
+    return rt, Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE), images
+
+
+def _episode_containers(backend) -> list:
+    return backend.client.containers.list(all=True, filters={"label": "agentrl.episode"})
+
+
+def test_replay_reproduces_stored_verdicts(finished_run, s3):
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import replay_episode
+    from tasks.runtime import runtime
+
+    config, _ = finished_run
+    rt = runtime(config)
+    rows = read_step(s3, f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet").to_pylist()
+    replayable = [r for r in rows if r["outcome"] != "infra_failure"]
+    assert replayable
+    for r in replayable:
+        verdict, reproduced = replay_episode(r, rt.tasks[r["task_id"]], rt.backend, BASE_IMAGE)
+        assert reproduced, (r["task_id"], r["reward"], r["outcome"], verdict)
+    # replay really runs the stored commands: the reference solution in place of the model's scores 1
+    row = next(r for r in replayable if r["task_id"].startswith("tb/") and r["reward"] == 0.0)
+    task = rt.tasks[row["task_id"]]
+    verdict, reproduced = replay_episode({**row, "commands": [task.solution]}, task, rt.backend, BASE_IMAGE)
+    assert verdict.reward == 1.0 and not reproduced
+
+
+def test_killed_sandbox_is_infra_failure_and_retried(finished_run):
+    import threading
+
+    config, _ = finished_run
+    rt, collector, images = _collector(config)
+    killed: list[str] = []
+    stop = threading.Event()
+
+    def killer() -> None:  # kill the first episode sandbox that appears, mid-episode
+        import docker.errors
+
+        while not stop.is_set() and not killed:
+            for c in rt.backend.client.containers.list(filters={"label": "agentrl.episode", "status": "running"}):
+                try:
+                    c.kill()
+                except docker.errors.APIError:  # not running yet or already gone: try the next one
+                    continue
+                killed.append(c.labels["agentrl.episode"])
+                break
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        rows = collector.collect("fault-kill", 0, [rt.tasks["tb/hello-file"]], images)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(killed) == 1
+    (victim,) = [r for r in rows if r["episode_id"] == killed[0]]
+    assert (victim["outcome"], victim["reason"], victim["attempt"]) == ("infra_failure", "container_vanished", 0)
+    (retry,) = [r for r in rows if r["sample_index"] == victim["sample_index"] and r["attempt"] == 1]
+    assert retry["outcome"] != "infra_failure" and retry["episode_id"] != victim["episode_id"]
+    assert len(rows) == 3 and _episode_containers(rt.backend) == []  # nothing left behind
+
+
+def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
+    import threading
+
+    from infra import services
+
+    if "dockerd" not in services._running(services.state_path()):
+        pytest.skip("dockerd was not started by `make up`; an external engine is never restarted")
+    config, _ = finished_run
+    rt, collector, images = _collector(config, retries=2)
+    restarted = threading.Event()
+
+    def restart_when_busy() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _episode_containers(rt.backend):
+            time.sleep(0.02)
+        services.restart_engine(down_s=1.0)
+        restarted.set()
+
+    thread = threading.Thread(target=restart_when_busy)
+    thread.start()
+    try:
+        rows = collector.collect("fault-restart", 0, [rt.tasks["tb/hello-file"], rt.tasks["tb/json-field"]], images)
+    finally:
+        thread.join()
+    assert restarted.is_set()
+    infra = [r for r in rows if r["outcome"] == "infra_failure"]
+    assert infra, "the restart hit no episode"
+    assert {r["reason"] for r in infra} <= {"engine_unreachable", "container_vanished", "docker_api_error",
+                                           "sandbox_start_failed"}
+    assert all(r["outcome"] in ("success", "model_failure", "unknown", "infra_failure") and r["reason"] for r in rows)
+    final = {}
+    for r in sorted(rows, key=lambda r: r["attempt"]):
+        final[(r["group_id"], r["sample_index"])] = r
+    assert len(final) == 4 and all(r["outcome"] != "infra_failure" for r in final.values())  # the batch completed
+    assert _episode_containers(rt.backend) == []  # nothing left behind, killed ones included

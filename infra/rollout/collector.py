@@ -8,6 +8,13 @@ retried (a new attempt) up to ``max_infra_retries`` times; every attempt is stor
 
 The agent's budget is counted in turns and in the time its own commands took (``tool_s``), not
 in wall clock shared with other episodes' generation, so a slow batch never costs the model.
+
+Sandboxes: with a :class:`~infra.sandbox.pool.WarmPool`, the step's demand per image is declared
+up front, terminal episodes' sandboxes are acquired while the first turn is being generated, and
+code tasks' verification sandboxes come warm from the pool (started during generation).
+
+Replay: every row stores the commands run (for code tasks, the one program verified) and the
+image digest, so :func:`replay_episode` can re-run them and reproduce the verifier's result.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from envs.agent import FORMAT_REMINDER, initial_messages, observation, parse_action
@@ -25,6 +32,7 @@ from envs.verify import Verdict, verify_code, verify_task
 from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
+from infra.sandbox.pool import WarmPool
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Episode:
     agent_end: str = ""
     sandbox: Sandbox | None = None
     sandbox_id: str = ""
+    sandbox_warm: bool = False
     verdict: Verdict | None = None
     infra_reason: str = ""
     created_s: float = field(default_factory=time.monotonic)
@@ -95,9 +104,13 @@ class Collector:
     """Runs groups of episodes against one engine and one sandbox backend."""
 
     def __init__(self, engine: VLLMEngine, backend: SandboxBackend, settings: CollectSettings,
-                 code_image: str, max_workers: int = 8):
-        """``code_image`` is the sandbox image code tasks are verified in (needs python3)."""
-        self.engine, self.backend, self.s = engine, backend, settings
+                 code_image: str, max_workers: int = 8, pool: WarmPool | None = None):
+        """Create a collector.
+
+        ``code_image`` is the sandbox image code tasks are verified in (needs python3); ``pool``
+        (optional) hands out already started sandboxes.
+        """
+        self.engine, self.backend, self.s, self.sandbox_pool = engine, backend, settings, pool
         self.chat = ChatTokens(engine.tokenizer)
         self.code_image = code_image
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sandbox")
@@ -123,6 +136,13 @@ class Collector:
             for i in range(self.s.group_size):
                 seed = (self.s.seed * 1_000_003 + step * 10_007 + g * 101 + i) % (2**31)
                 episodes.append(Episode(task, group_id, i, 0, seed, image, digest))
+        if self.sandbox_pool is not None:
+            demand: dict[tuple, int] = {}
+            for e in episodes:
+                key = (e.image, e.task.cpus, e.task.memory_mb, e.task.allow_internet)
+                demand[key] = demand.get(key, 0) + 1
+            for (image, cpus, memory_mb, network), n in demand.items():
+                self.sandbox_pool.ensure(image, n, cpus=cpus, memory_mb=memory_mb, network=network)
         finished: list[Episode] = []
         batch = episodes
         for attempt in range(self.s.max_infra_retries + 1):
@@ -131,8 +151,16 @@ class Collector:
             retry = [e for e in batch if e.infra_reason]
             if not retry or attempt == self.s.max_infra_retries:
                 break
+            wait_engine = getattr(self.backend, "wait_engine", None)
+            if wait_engine is not None:
+                wait_engine(60.0)  # after an engine restart, retry once it answers again
             batch = [Episode(e.task, e.group_id, e.sample_index, attempt + 1, e.seed + attempt + 1,
                              e.image, e.image_digest) for e in retry]
+        sweep = getattr(self.backend, "sweep_leftovers", None)
+        if sweep is not None and sweep():
+            wait_engine = getattr(self.backend, "wait_engine", None)
+            if wait_engine is not None and wait_engine(60.0):
+                sweep()
         return [self._row(run_id, step, e) for e in sorted(finished, key=lambda e: (e.group_id, e.sample_index,
                                                                                         e.attempt))]
 
@@ -141,25 +169,36 @@ class Collector:
         for e in episodes:
             e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
             e.prompt_tokens = len(e.token_ids)
-        terminal = [e for e in episodes if e.task.kind == "terminal"]
-        list(self.pool.map(self._acquire, terminal))
+        # Sandboxes are acquired while the first turn is generated: a command needs one, a prompt does not.
+        acquiring = [self.pool.submit(self._acquire, e) for e in episodes if e.task.kind == "terminal"]
         try:
             while live := [e for e in episodes if not e.done]:
                 self._turn(live)
+                if acquiring:
+                    wait(acquiring)
+                    acquiring = []
                 list(self.pool.map(self._act, live))
                 if on_progress:
                     on_progress(sum(e.done for e in episodes), total)
             list(self.pool.map(self._verify, [e for e in episodes if not e.infra_reason]))
         finally:
+            wait(acquiring)
             list(self.pool.map(self._release, episodes))
+
+    def _start_sandbox(self, e: Episode, image: str) -> None:
+        labels = {"agentrl.episode": e.episode_id}
+        limits = {"cpus": e.task.cpus, "memory_mb": e.task.memory_mb, "network": e.task.allow_internet}
+        if self.sandbox_pool is not None:
+            e.sandbox, e.sandbox_warm = self.sandbox_pool.acquire(image, labels, **limits)
+        else:
+            e.sandbox, e.sandbox_warm = self.backend.start(image, labels, **limits), False
+        e.sandbox_id = e.sandbox.sandbox_id
 
     def _acquire(self, e: Episode) -> None:
         start = time.monotonic()
         e.queue_s = start - e.created_s
         try:
-            e.sandbox = self.backend.start(e.image, {"agentrl.episode": e.episode_id}, cpus=e.task.cpus,
-                                           memory_mb=e.task.memory_mb, network=e.task.allow_internet)
-            e.sandbox_id = e.sandbox.sandbox_id
+            self._start_sandbox(e, e.image)
         except SandboxInfraError as err:
             e.infra_reason = err.reason
         e.sandbox_acquire_s = time.monotonic() - start
@@ -194,6 +233,8 @@ class Collector:
 
     def _act(self, e: Episode) -> None:
         """Run the command of the episode's last reply and append its observation."""
+        if e.infra_reason:
+            return
         if e.done or e.task.kind == "code":
             e.agent_end = e.agent_end or "single_turn"
             return
@@ -231,10 +272,11 @@ class Collector:
                 e.verdict = verify_task(e.sandbox, e.task)
             else:
                 t0 = time.monotonic()
-                e.sandbox = self.backend.start(self.code_image, {"agentrl.episode": e.episode_id})
-                e.sandbox_id = e.sandbox.sandbox_id
+                self._start_sandbox(e, self.code_image)
                 e.sandbox_acquire_s = time.monotonic() - t0
-                e.verdict = verify_code(e.sandbox, e.task, extract_program(e.task, e.last_reply))
+                program = extract_program(e.task, e.last_reply)
+                e.commands = [program]
+                e.verdict = verify_code(e.sandbox, e.task, program)
         except SandboxInfraError as err:
             e.infra_reason = err.reason
         e.verify_s = time.monotonic() - start
@@ -260,5 +302,45 @@ class Collector:
             "temperature": self.s.temperature, "top_p": self.s.top_p, "max_tokens": self.s.max_tokens_per_turn,
             "queue_s": e.queue_s, "sandbox_acquire_s": e.sandbox_acquire_s, "generation_s": e.generation_s,
             "tool_s": e.tool_s, "verify_s": e.verify_s, "engine_replica": self.engine.replica,
-            "sandbox_id": e.sandbox_id,
+            "sandbox_id": e.sandbox_id, "sandbox_warm": e.sandbox_warm,
         }
+
+
+def replay_episode(row: dict, task: Task, backend: SandboxBackend, code_image: str) -> tuple[Verdict, bool]:
+    """Re-run a stored episode's commands against the same image and verify it again.
+
+    Terminal tasks: each stored command runs in order, with the task's per-command deadline, in
+    a fresh sandbox started from the stored image digest; then the task's verifier runs. Code
+    tasks: the stored program is verified in ``code_image``.
+
+    Args:
+        row: a trajectory row (``task_id``, ``commands``, ``image``, ``image_digest``, ``reward``, ``outcome``).
+        task: the row's task.
+        backend: sandbox backend.
+        code_image: image code tasks are verified in.
+
+    Returns:
+        (verdict, reproduced): ``reproduced`` is True when reward and outcome equal the stored ones.
+
+    Raises:
+        ValueError: ``row`` is an ``infra_failure`` (nothing the model did to replay) or of another task.
+        SandboxInfraError: the sandbox failed during the replay.
+    """
+    if row["task_id"] != task.task_id:
+        raise ValueError(f"row of {row['task_id']} replayed against task {task.task_id}")
+    if row["outcome"] == str(Outcome.INFRA_FAILURE):
+        raise ValueError(f"episode {row['episode_id']} ended in infra_failure ({row['reason']}): nothing to replay")
+    image = (row["image_digest"] or row["image"]) if task.kind == "terminal" else code_image
+    box = backend.start(image, {"agentrl.replay": row["episode_id"]}, cpus=task.cpus, memory_mb=task.memory_mb,
+                        network=task.allow_internet)
+    try:
+        if task.kind == "code":
+            verdict = verify_code(box, task, row["commands"][0] if row["commands"] else "")
+        else:
+            for command in row["commands"]:
+                box.exec(command, timeout_s=task.command_timeout_s)
+            verdict = verify_task(box, task)
+    finally:
+        box.close()
+    reproduced = abs(verdict.reward - row["reward"]) < 1e-6 and str(verdict.outcome) == row["outcome"]
+    return verdict, reproduced

@@ -52,6 +52,10 @@ class Sandbox(Protocol):
         """Run a shell command with a deadline enforced inside the sandbox."""
         ...
 
+    def stop_agent_processes(self) -> int:
+        """Kill every process the agent left running (before verification); returns how many."""
+        ...
+
     def put_dir(self, local_dir: Path, dest: str) -> None:
         """Copy a local folder's contents to ``dest`` inside the sandbox (replacing what is there)."""
         ...
@@ -72,6 +76,15 @@ class Sandbox(Protocol):
 class SandboxBackend(Protocol):
     """Starts sandboxes from images."""
 
-    def start(self, image: str, labels: dict[str, str]) -> Sandbox:
-        """Start a sandbox from ``image``; raises SandboxInfraError on failure."""
+    def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
+              memory_mb: int | None = None, network: bool = False) -> Sandbox:
+        """Start a sandbox from ``image`` with the task's limits; raises SandboxInfraError on failure."""
+        ...
+
+    def wait_engine(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the engine answers again (after a restart); True when it does."""
+        ...
+
+    def sweep_leftovers(self) -> int:
+        """Remove sandboxes whose removal failed earlier; returns how many remain."""
         ...

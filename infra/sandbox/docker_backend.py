@@ -114,6 +114,7 @@ class DockerBackend:
             raise SandboxInfraError("engine_unreachable", f"Docker engine not reachable: {e}") from e
         self.mem_limit, self.nano_cpus, self.pids_limit = mem_limit, nano_cpus, pids_limit
         self.tmp_size_mb = tmp_size_mb
+        self._leftovers: set[str] = set()  # containers whose removal failed (engine down): swept later
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
@@ -191,7 +192,7 @@ class DockerBackend:
             )
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}") from e
-        box = DockerSandbox(container)
+        box = DockerSandbox(container, self._leftovers)
         try:
             box._main_pids()  # before any agent command: the processes verification keeps alive
         except SandboxInfraError:
@@ -209,6 +210,30 @@ class DockerBackend:
             except docker.errors.NotFound:
                 pass
         return len(containers)
+
+    def wait_engine(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the engine answers a ping (after a restart); True when it does within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.ping()
+                return True
+            except (docker.errors.DockerException, requests.exceptions.RequestException):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.5)
+
+    def sweep_leftovers(self) -> int:
+        """Remove containers whose ``close`` failed while the engine was unreachable; returns how many remain."""
+        for cid in list(self._leftovers):
+            try:
+                self.client.api.remove_container(cid, force=True)
+                self._leftovers.discard(cid)
+            except docker.errors.NotFound:
+                self._leftovers.discard(cid)
+            except (docker.errors.DockerException, requests.exceptions.RequestException):
+                pass
+        return len(self._leftovers)
 
     def reap_orphans(self) -> int:
         """Remove containers left by a crashed run.
@@ -255,8 +280,9 @@ def _pid_alive(pid: int) -> bool:
 class DockerSandbox:
     """One running container; see :class:`infra.sandbox.base.Sandbox`."""
 
-    def __init__(self, container):
+    def __init__(self, container, leftovers: set[str] | None = None):
         self._container = container
+        self._leftovers = leftovers if leftovers is not None else set()
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
 
@@ -357,8 +383,14 @@ class DockerSandbox:
             return tar.extractfile(member).read()
 
     def close(self) -> None:
-        """Force-remove the container; already gone is fine."""
+        """Force-remove the container; already gone is fine.
+
+        Never raises: when the engine cannot be reached, the container id is kept for the backend's
+        ``sweep_leftovers`` (and the label-based reaper), so nothing is left behind for good.
+        """
         try:
             self._container.remove(force=True)
         except docker.errors.NotFound:
             pass
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            self._leftovers.add(self._container.id)
