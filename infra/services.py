@@ -270,7 +270,7 @@ def _clear_stale_runtime() -> list[str]:
     return removed
 
 
-def _ensure_engine(state: Path) -> tuple[str, docker.DockerClient]:
+def _ensure_engine(state: Path, use_configured: bool = True) -> tuple[str, docker.DockerClient]:
     """Find a reachable Docker engine or start dockerd as root.
 
     Returns:
@@ -280,7 +280,7 @@ def _ensure_engine(state: Path) -> tuple[str, docker.DockerClient]:
         RuntimeError: ``DOCKER_HOST`` is set but does not answer, or no engine and not root,
             or dockerd could not be installed or started.
     """
-    configured = os.environ.get("DOCKER_HOST")
+    configured = os.environ.get("DOCKER_HOST") if use_configured else None
     if configured:
         client = _ping(configured)
         if client is None:
@@ -769,7 +769,7 @@ def restart_engine(state_dir: str | os.PathLike[str] | None = None, down_s: floa
     _stop(int(pid_file.read_text().strip()), STOP_TIMEOUT_S["dockerd"])
     pid_file.unlink(missing_ok=True)
     time.sleep(down_s)
-    _ensure_engine(state)
+    _ensure_engine(state, use_configured=False)  # DOCKER_HOST names this very engine (services.env)
 
 
 def services_env(state_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:

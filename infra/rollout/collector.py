@@ -19,6 +19,7 @@ image digest, so :func:`replay_episode` can re-run them and reproduce the verifi
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,6 +204,9 @@ class Collector:
             self._start_sandbox(e, e.image)
         except SandboxInfraError as err:
             e.infra_reason = err.reason
+        except Exception:  # noqa: BLE001 - a harness bug must not leave the episode without a class
+            log.exception("episode %s: sandbox acquire failed unexpectedly", e.episode_id)
+            e.infra_reason = "harness_error"
         e.sandbox_acquire_s = time.monotonic() - start
 
     def _release(self, e: Episode) -> None:
@@ -268,7 +274,9 @@ class Collector:
         start = time.monotonic()
         try:
             if e.task.kind == "terminal":
-                assert e.sandbox is not None
+                if e.sandbox is None:
+                    e.infra_reason = "sandbox_missing"
+                    return
                 e.verdict = verify_task(e.sandbox, e.task)
             else:
                 t0 = time.monotonic()

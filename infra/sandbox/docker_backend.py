@@ -288,9 +288,17 @@ class DockerSandbox:
 
     def _main_pids(self) -> tuple[int, ...]:
         """Pids (inside the container) of init and the ``sleep`` it runs, read once, before any agent command."""
-        if self._keep_pids is None:
+        deadline = time.monotonic() + 5.0
+        while self._keep_pids is None:
             r = self._api("exec", self._container.exec_run, ["cat", "/proc/1/task/1/children"])
-            self._keep_pids = (1, *(int(p) for p in (r.output or b"").split()))
+            words = (r.output or b"").split()
+            if r.exit_code == 0 and words and all(w.isdigit() for w in words):
+                self._keep_pids = (1, *(int(w) for w in words))
+            elif time.monotonic() > deadline:  # init has not forked its command yet, or /proc is odd
+                raise SandboxInfraError("sandbox_start_failed",
+                                        f"{self.sandbox_id}: no main process under init: {r.output[-200:]!r}")
+            else:
+                time.sleep(0.02)
         return self._keep_pids
 
     def _api(self, what: str, fn, *args, **kwargs):
