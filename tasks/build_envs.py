@@ -24,7 +24,8 @@ def build_envs(config: RunConfig) -> str:
     """Load every task, build images (keyed by build-context hash), validate, write ``envs.json``; returns its URI.
 
     Tasks that fail to load, build or validate are listed as unusable with the reason; the flow
-    goes on. Validation verdicts are cached under ``s3://{bucket}/validation/{key}.json``.
+    goes on. Validation verdicts are cached under ``s3://{bucket}/validation/{key}.json``; build
+    and validation logs are kept at ``{run}/envs-logs/{task id, / as __}.log``.
     """
     rt = runtime(config)
     tasks, split, errors = load_run_tasks(config)
@@ -44,6 +45,9 @@ def build_envs(config: RunConfig) -> str:
                                   fallback_base=t.fallback_base_image or None, cache_get=cache_get,
                                   cache_put=cache_put)
     catalog = catalog_to_json(entries, errors)
+    for task_id, text in logs.items():  # build and validation logs, kept next to the catalog
+        if text.strip():
+            rt.fs.pipe_file(f"{run_uri(config)}/envs-logs/{task_id.replace('/', '__')}.log", text.encode())
     uri = f"{run_uri(config)}/envs.json"
     rt.fs.pipe_file(uri, json.dumps(catalog, indent=1).encode())
     log = get_run_logger()

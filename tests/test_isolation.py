@@ -261,3 +261,21 @@ def test_orphan_reaper_removes_only_dead_owners(backend):
     finally:
         foreign.remove(force=True)
         mine.close()
+
+
+def test_model_breaking_its_sandbox_is_told_apart_from_an_outside_kill(backend):
+    broken = backend.start(BASE_IMAGE, {"agentrl.test": "broken"})
+    killed = backend.start(BASE_IMAGE, {"agentrl.test": "killed"})
+    try:
+        with pytest.raises(SandboxInfraError) as err:  # the model kills the sandbox's main process itself
+            broken.exec("kill -9 $(cat /proc/1/task/1/children)", 5)
+            time.sleep(0.5)
+            broken.exec("true", 5)
+        assert err.value.reason == "environment_broken"
+        subprocess.run(["docker", "kill", killed.sandbox_id], check=True, capture_output=True)
+        with pytest.raises(SandboxInfraError) as err:  # killed from outside: infra
+            killed.exec("true", 5)
+        assert err.value.reason == "container_vanished"
+    finally:
+        broken.close()
+        killed.close()

@@ -81,6 +81,19 @@ def test_stored_rows(finished_run, s3):
     assert terminal and all(r["num_turns"] >= 1 for r in terminal)
 
 
+def test_catalog_validated_with_logs(finished_run, s3):
+    config, _ = finished_run
+    run = f"agentrl/runs/{config.run_id}"
+    s3.invalidate_cache()
+    entries = {e["task_id"]: e for e in json.loads(s3.cat_file(f"{run}/envs.json"))["tasks"]}
+    assert len(entries) == 13  # 10 Terminal-Bench tasks, 2 + 1 HumanEval problems
+    assert all(e["usable"] and e["validation"] == "passed" for e in entries.values()), entries
+    assert entries["tb/csv-column"]["task_format"] == "terminal-bench"
+    log = s3.cat_file(f"{run}/envs-logs/tb__csv-column.log").decode()
+    assert "base image ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-base:bookworm" in log
+    assert "validation: reference solution passes; do-nothing scores 0.0" in log
+
+
 def test_checkpoint_manifest_and_checksums(finished_run, s3):
     config, _ = finished_run
     uri = f"agentrl/runs/{config.run_id}/checkpoints/v1"

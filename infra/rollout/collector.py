@@ -256,7 +256,7 @@ class Collector:
             try:
                 result = e.sandbox.exec(action.command, timeout_s=e.task.command_timeout_s)
             except SandboxInfraError as err:
-                e.infra_reason = err.reason
+                self._sandbox_failed(e, err)
                 return
             e.tool_s += result.duration_s
             obs = observation(result.exit_code, result.output, result.timed_out, e.task.command_timeout_s)
@@ -270,7 +270,18 @@ class Collector:
         else:
             e.append(self.chat.continuation_ids(e.token_ids, obs), None)
 
+    @staticmethod
+    def _sandbox_failed(e: Episode, err: SandboxInfraError) -> None:
+        """Classify a sandbox failure: the model's doing (it broke its own environment) or infra."""
+        if err.reason == "environment_broken":
+            e.agent_end = "environment_broken"
+            e.verdict = Verdict(0.0, Outcome.MODEL_FAILURE, "environment_broken", str(err))
+        else:
+            e.infra_reason = err.reason
+
     def _verify(self, e: Episode) -> None:
+        if e.verdict is not None:  # already decided (the model broke its environment)
+            return
         start = time.monotonic()
         try:
             if e.task.kind == "terminal":
@@ -286,7 +297,7 @@ class Collector:
                 e.commands = [program]
                 e.verdict = verify_code(e.sandbox, e.task, program)
         except SandboxInfraError as err:
-            e.infra_reason = err.reason
+            self._sandbox_failed(e, err)
         e.verify_s = time.monotonic() - start
 
     def _row(self, run_id: str, step: int, e: Episode) -> dict:

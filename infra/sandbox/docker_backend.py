@@ -283,6 +283,7 @@ class DockerSandbox:
     def __init__(self, container, leftovers: set[str] | None = None):
         self._container = container
         self._leftovers = leftovers if leftovers is not None else set()
+        self._started_at = time.time()
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
 
@@ -307,10 +308,33 @@ class DockerSandbox:
         except docker.errors.NotFound as e:
             raise SandboxInfraError("container_vanished", f"{self.sandbox_id} during {what}: {e}") from e
         except docker.errors.APIError as e:
-            reason = "container_vanished" if "is not running" in str(e) else "docker_api_error"
+            reason = self._stopped_reason() if "is not running" in str(e) else "docker_api_error"
             raise SandboxInfraError(reason, f"{self.sandbox_id} during {what}: {e}") from e
         except (requests.exceptions.RequestException, docker.errors.DockerException) as e:
             raise SandboxInfraError("engine_unreachable", f"{self.sandbox_id} during {what}: {e}") from e
+
+    def _stopped_reason(self) -> str:
+        """Why a container that should be running is not: ``container_vanished`` or ``environment_broken``.
+
+        The engine's event log tells the two apart: ``docker kill``/``stop``/``rm`` (an operator, a
+        reaper, dockerd shutting down) leave ``kill``, ``stop`` or ``destroy`` events — an infra
+        failure. A container whose main process died with none of those was stopped from inside, by
+        the model's own commands (``kill`` of the main process, memory exhausted by its own
+        program): ``environment_broken``, which the harness scores as a
+        model failure, so breaking the sandbox is never a way to dodge a penalty. When the events
+        cannot be read, the answer is ``container_vanished`` (never blame the model on a guess).
+        """
+        try:
+            now = int(time.time()) + 1
+            events = self._container.client.api.events(
+                since=int(self._started_at) - 1, until=now, decode=True,
+                filters={"container": self._container.id, "type": "container"})
+            actions = {str(ev.get("Action", ev.get("status", ""))).split(":")[0] for ev in events}
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            return "container_vanished"
+        if actions & {"kill", "stop", "destroy"} or "die" not in actions:
+            return "container_vanished"
+        return "environment_broken"
 
     def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
         """Run ``command`` under ``bash -c`` with ``timeout -s KILL``; output truncated to 16 KiB.
@@ -331,7 +355,7 @@ class DockerSandbox:
         if exit_code == 137:
             self._api("inspect", self._container.reload)
             if self._container.status != "running":
-                raise SandboxInfraError("container_vanished", f"{self.sandbox_id} stopped during exec")
+                raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         timed_out = exit_code == 137 and duration_s >= timeout_s
         return ExecResult(exit_code, output, timed_out, duration_s)
 
