@@ -92,10 +92,10 @@ def test_exec_deadline_separate_from_client_timeout(backend):
 
     from infra.sandbox.docker_backend import DockerBackend
 
-    short = DockerBackend(client=docker.from_env(timeout=60))
+    short = DockerBackend(client=docker.from_env(timeout=5))  # socket read timeout 5 s
     box = short.start(BASE_IMAGE, {"agentrl.test": "deadline"})
     try:
-        r = box.exec("sleep 2; echo finished", timeout_s=20)
+        r = box.exec("sleep 8; echo finished", timeout_s=20)  # longer than the client's timeout
         assert (r.exit_code, r.output.strip(), r.timed_out) == (0, "finished", False)
         r = box.exec("sleep 30", timeout_s=1.5)
         assert r.timed_out and r.exit_code == 137 and r.duration_s < 10

@@ -36,6 +36,11 @@ from infra.sandbox.base import ExecResult, SandboxInfraError
 
 LABEL = "agentrl"
 OUTPUT_LIMIT_BYTES = 16_384
+# Commands run detached; their output goes to a file (outside the tmpfs /tmp, which the archive
+# API cannot read) that is read back once the exec finished. The previous output is removed first.
+_EXEC_DIR = "/.agentrl-exec"
+_EXEC_WRAPPER = (f'mkdir -p {_EXEC_DIR} && rm -f {_EXEC_DIR}/*.out; '
+                 f'timeout -s KILL "$0" bash -c "$1" > "{_EXEC_DIR}/$2" 2>&1')
 # Files of a Terminal-Bench task folder that never enter the image build context.
 _HIDDEN = ("tests", "solution.sh", "task.yaml", "run-tests.sh")
 
@@ -284,8 +289,14 @@ class DockerSandbox:
         self._container = container
         self._leftovers = leftovers if leftovers is not None else set()
         self._started_at = time.time()
+        self._execs = 0
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
+
+    def _alive(self) -> bool:
+        """The container is still running (one inspect)."""
+        self._api("inspect", self._container.reload)
+        return self._container.status == "running"
 
     def _main_pids(self) -> tuple[int, ...]:
         """Pids (inside the container) of init and the ``sleep`` it runs, read once, before any agent command."""
@@ -339,23 +350,35 @@ class DockerSandbox:
     def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
         """Run ``command`` under ``bash -c`` with ``timeout -s KILL``; output truncated to 16 KiB.
 
+        The exec is started detached and polled, so the client's socket timeout never bounds a
+        command; stdout and stderr are merged, as a terminal shows them.
+
         Raises:
             SandboxInfraError: the container is gone or the engine failed.
         """
         start = time.monotonic()
-        argv = ["timeout", "-s", "KILL", f"{timeout_s:g}", "bash", "-c", command]
-        result = self._api("exec", self._container.exec_run, argv, workdir=workdir, demux=False)
-        output = (result.output or b"")[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
-        exit_code = int(result.exit_code if result.exit_code is not None else -1)
+        api = self._container.client.api
+        self._execs += 1
+        name = f"{self._execs}.out"
+        argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
+        exec_id = self._api("exec", api.exec_create, self._container.id, argv, workdir=workdir)["Id"]
+        self._api("exec", api.exec_start, exec_id, detach=True)
+        # Poll with short API calls: the command's deadline is enforced inside the container, so a
+        # client whose socket timeout is shorter than the command never turns it into an error.
+        poll_s = 0.01
+        while (info := self._api("exec", api.exec_inspect, exec_id))["Running"]:
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.1)
         duration_s = time.monotonic() - start
+        exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
+        raw = self.get_file(f"{_EXEC_DIR}/{name}") if exit_code not in (137, -1) or self._alive() else None
+        output = (raw or b"")[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
         # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container
         # itself is no longer running, which is an infra failure.
-        if exit_code == 137:
-            self._api("inspect", self._container.reload)
-            if self._container.status != "running":
-                raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
+        if exit_code in (137, -1) and not self._alive():
+            raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         timed_out = exit_code == 137 and duration_s >= timeout_s
         return ExecResult(exit_code, output, timed_out, duration_s)
 
@@ -372,8 +395,10 @@ class DockerSandbox:
             SandboxInfraError: the container is gone or the engine failed.
         """
         keep = " ".join(str(p) for p in self._main_pids())
-        script = (f"n=0; for d in /proc/[0-9]*; do p=${{d#/proc/}}; case \" {keep} $$ \" in *\" $p \"*) ;; "
-                  "*) kill -9 $p 2>/dev/null && n=$((n+1));; esac; done; echo $n")
+        # Passes repeat until one finds nothing to kill: a fork bomb respawns while it is being killed.
+        script = (f"t=0; i=0; while [ $i -lt 50 ]; do i=$((i+1)); n=0; for d in /proc/[0-9]*; do p=${{d#/proc/}}; "
+                  f"case \" {keep} $$ \" in *\" $p \"*) ;; *) kill -9 $p 2>/dev/null && n=$((n+1));; esac; done; "
+                  "t=$((t+n)); [ $n -eq 0 ] && break; done; echo $t")
         r = self._api("exec", self._container.exec_run, ["sh", "-c", script])
         try:
             return int((r.output or b"0").split()[-1])
