@@ -41,7 +41,8 @@ def finished_run(tiny_model, s3, prefect_harness):
     config = RunConfig(
         run_id=f"it-{uuid.uuid4().hex[:8]}", steps=1,
         model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
-        tasks=TaskSetConfig(terminal_eval_ids=["make-dir"], humaneval_train=2, humaneval_eval=1),
+        tasks=TaskSetConfig(terminal_eval_ids=["make-dir"], humaneval_train=2, humaneval_eval=1,
+                            task_sets=["envs/harbor"]),
         rollout=RolloutConfig(tasks_per_step=3, group_size=2, max_tokens_per_turn=24, max_turns=2),
         eval=EvalConfig(max_tokens=24),
     )
@@ -86,9 +87,10 @@ def test_catalog_validated_with_logs(finished_run, s3):
     run = f"agentrl/runs/{config.run_id}"
     s3.invalidate_cache()
     entries = {e["task_id"]: e for e in json.loads(s3.cat_file(f"{run}/envs.json"))["tasks"]}
-    assert len(entries) == 13  # 10 Terminal-Bench tasks, 2 + 1 HumanEval problems
+    assert len(entries) == 16  # 10 Terminal-Bench tasks, 3 Harbor tasks, 2 + 1 HumanEval problems
     assert all(e["usable"] and e["validation"] == "passed" for e in entries.values()), entries
     assert entries["tb/csv-column"]["task_format"] == "terminal-bench"
+    assert entries["harbor/fix-median"]["task_format"] == "harbor"
     log = s3.cat_file(f"{run}/envs-logs/tb__csv-column.log").decode()
     assert "base image ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-base:bookworm" in log
     assert "validation: reference solution passes; do-nothing scores 0.0" in log
@@ -256,6 +258,21 @@ def test_replay_reproduces_stored_verdicts(finished_run, s3):
     task = rt.tasks[row["task_id"]]
     verdict, reproduced = replay_episode({**row, "commands": [task.solution]}, task, rt.backend, BASE_IMAGE)
     assert verdict.reward == 1.0 and not reproduced
+
+
+def test_harbor_tasks_run_through_the_collector_and_replay(finished_run):
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import replay_episode
+
+    config, _ = finished_run
+    rt, collector, images = _collector(config)
+    tasks = [rt.tasks["harbor/write-greeting"], rt.tasks["harbor/fix-median"]]
+    rows = collector.collect("harbor-run", 0, tasks, images)
+    assert len(rows) == 4 and {r["task_id"] for r in rows} == {t.task_id for t in tasks}
+    for r in rows:
+        assert r["outcome"] in ("success", "model_failure", "unknown") and r["reason"], r
+        assert r["image"].startswith("agentrl-task-harbor-") and r["image_digest"].startswith("sha256:")
+        assert replay_episode(r, rt.tasks[r["task_id"]], rt.backend, BASE_IMAGE)[1]
 
 
 def test_killed_sandbox_is_infra_failure_and_retried(finished_run):
