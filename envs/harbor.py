@@ -8,8 +8,8 @@ or ``{"reward": x}`` to ``/logs/verifier/reward.json``) and the reference soluti
 - ``[agent] timeout_sec``: the episode budget; ``[agent] command_timeout_sec`` (our extension,
   default 10): the limit for one command;
 - ``[verifier] timeout_sec``: the limit for ``tests/test.sh``;
-- ``[environment] cpus``, ``memory_mb`` (or ``memory = "2G"``), ``allow_internet``;
-  ``build_timeout_sec`` and ``storage_mb`` are read and checked but not enforced;
+- ``[environment] cpus``, ``memory_mb`` (or ``memory = "2G"``), ``storage_mb`` (or ``storage``),
+  ``allow_internet``; ``build_timeout_sec`` is read and checked but not enforced;
 - ``[metadata] difficulty``, ``tags``, ``category``.
 
 Unknown keys are ignored, as Harbor ignores them. Not supported (load errors):
@@ -90,9 +90,10 @@ def load_harbor_task(folder: Path) -> Task:
         raise TaskError(f"{spec_path}: field 'environment.cpus' must be a positive number, got {cpus!r}")
     memory = env.get("memory_mb", env.get("memory"))
     memory_mb = _size_mb(memory, f"{spec_path}: field 'environment.memory_mb'") if memory is not None else None
+    disk_mb = None
     for key in ("storage_mb", "storage"):
         if key in env:
-            _size_mb(env[key], f"{spec_path}: field 'environment.{key}'")
+            disk_mb = _size_mb(env[key], f"{spec_path}: field 'environment.{key}'")
     seconds("environment", "build_timeout_sec", 600.0)
     allow_internet = env.get("allow_internet", False)
     if not isinstance(allow_internet, bool):
@@ -120,4 +121,5 @@ def load_harbor_task(folder: Path) -> Task:
         allow_internet=allow_internet,
         cpus=float(cpus) if cpus is not None else None,
         memory_mb=memory_mb,
+        disk_mb=disk_mb,
     )

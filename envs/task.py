@@ -52,6 +52,8 @@ class Task:
         allow_internet: the task opts in to network access (default: no network at all).
         cpus: CPU limit for the sandbox (None: the backend's default).
         memory_mb: memory limit for the sandbox in MiB (None: the backend's default).
+        disk_mb: disk limit for the sandbox's writable layer in MiB (None: the backend's default;
+            enforced when the engine's storage driver supports it, see ``DockerBackend``).
     """
 
     task_id: str
@@ -73,6 +75,7 @@ class Task:
     allow_internet: bool = False
     cpus: float | None = None
     memory_mb: int | None = None
+    disk_mb: int | None = None
 
 
 class TaskError(ValueError):

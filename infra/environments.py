@@ -135,7 +135,8 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
         return False, "no reference solution (solution.sh, solution/solve.sh or canonical_solution)"
 
     def run(with_solution: bool) -> Verdict:
-        limits = {"cpus": task.cpus, "memory_mb": task.memory_mb, "network": task.allow_internet}
+        limits = {"cpus": task.cpus, "memory_mb": task.memory_mb, "network": task.allow_internet,
+                  "disk_mb": task.disk_mb}
         box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **limits)
         try:
             if task.kind == "code":

@@ -79,6 +79,18 @@ def test_tmp_fill_is_bounded_and_host_files_invisible(boxes, backend):
     assert caps == ["CapEff:", "0000000000000000", "NoNewPrivs:", "1"]
 
 
+def test_disk_fill_is_bounded(boxes, backend):
+    if not backend.disk_quota:
+        pytest.skip("the engine's storage driver enforces no per-container size (make up sets up btrfs)")
+    box = boxes(disk_mb=200)
+    r = box.exec("dd if=/dev/zero of=/app/fill bs=1M count=1024 2>&1; sync", 120)
+    assert "Disk quota exceeded" in r.output or "No space left on device" in r.output, r.output
+    written_mb = int(box.exec("du -sm /app/fill | cut -f1", 10).output.split()[0])
+    assert written_mb <= 220
+    other = boxes()  # the host's disk and other sandboxes are untouched
+    assert other.exec("dd if=/dev/zero of=/app/ok bs=1M count=50 2>&1 && echo ok", 60).output.strip().endswith("ok")
+
+
 def test_task_limits_are_applied(boxes):
     box = boxes(cpus=0.5, memory_mb=300)
     attrs = box._container.attrs["HostConfig"]

@@ -93,7 +93,7 @@ def test_shipped_harbor_tasks_load():
     greet = by_id["harbor/write-greeting"]
     assert (greet.task_format, greet.verifier, greet.kind) == ("harbor", "harbor", "terminal")
     assert greet.agent_timeout_s == 120.0 and greet.verifier_timeout_s == 30.0
-    assert greet.cpus == 1.0 and greet.memory_mb == 512 and greet.allow_internet is False
+    assert greet.cpus == 1.0 and greet.memory_mb == 512 and greet.allow_internet is False and greet.disk_mb == 1024
     assert greet.build_context == HARBOR / "write-greeting" / "environment"
     assert greet.solution and "Hello, Harbor!" in greet.solution
     assert by_id["harbor/fix-median"].memory_mb == 512  # memory = "512M"

@@ -142,10 +142,10 @@ class Collector:
         if self.sandbox_pool is not None:
             demand: dict[tuple, int] = {}
             for e in episodes:
-                key = (e.image, e.task.cpus, e.task.memory_mb, e.task.allow_internet)
+                key = (e.image, e.task.cpus, e.task.memory_mb, e.task.allow_internet, e.task.disk_mb)
                 demand[key] = demand.get(key, 0) + 1
-            for (image, cpus, memory_mb, network), n in demand.items():
-                self.sandbox_pool.ensure(image, n, cpus=cpus, memory_mb=memory_mb, network=network)
+            for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
+                self.sandbox_pool.ensure(image, n, cpus=cpus, memory_mb=memory_mb, network=network, disk_mb=disk_mb)
         finished: list[Episode] = []
         batch = episodes
         for attempt in range(self.s.max_infra_retries + 1):
@@ -190,7 +190,8 @@ class Collector:
 
     def _start_sandbox(self, e: Episode, image: str) -> None:
         labels = {"agentrl.episode": e.episode_id}
-        limits = {"cpus": e.task.cpus, "memory_mb": e.task.memory_mb, "network": e.task.allow_internet}
+        limits = {"cpus": e.task.cpus, "memory_mb": e.task.memory_mb, "network": e.task.allow_internet,
+                  "disk_mb": e.task.disk_mb}
         if self.sandbox_pool is not None:
             e.sandbox, e.sandbox_warm = self.sandbox_pool.acquire(image, labels, **limits)
         else:
@@ -351,7 +352,7 @@ def replay_episode(row: dict, task: Task, backend: SandboxBackend, code_image: s
         raise ValueError(f"episode {row['episode_id']} ended in infra_failure ({row['reason']}): nothing to replay")
     image = (row["image_digest"] or row["image"]) if task.kind == "terminal" else code_image
     box = backend.start(image, {"agentrl.replay": row["episode_id"]}, cpus=task.cpus, memory_mb=task.memory_mb,
-                        network=task.allow_internet)
+                        network=task.allow_internet, disk_mb=task.disk_mb)
     try:
         if task.kind == "code":
             verdict = verify_code(box, task, row["commands"][0] if row["commands"] else "")

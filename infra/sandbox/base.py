@@ -77,7 +77,7 @@ class SandboxBackend(Protocol):
     """Starts sandboxes from images."""
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
-              memory_mb: int | None = None, network: bool = False) -> Sandbox:
+              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None) -> Sandbox:
         """Start a sandbox from ``image`` with the task's limits; raises SandboxInfraError on failure."""
         ...
 

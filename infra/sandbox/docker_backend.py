@@ -106,7 +106,8 @@ class DockerBackend:
     """Starts sandboxes on a Docker engine and builds task images."""
 
     def __init__(self, client: docker.DockerClient | None = None, mem_limit: str = "512m",
-                 nano_cpus: int = 1_000_000_000, pids_limit: int = 256, tmp_size_mb: int = 256):
+                 nano_cpus: int = 1_000_000_000, pids_limit: int = 256, tmp_size_mb: int = 256,
+                 disk_mb: int = 1024):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
 
         Raises:
@@ -118,7 +119,13 @@ class DockerBackend:
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             raise SandboxInfraError("engine_unreachable", f"Docker engine not reachable: {e}") from e
         self.mem_limit, self.nano_cpus, self.pids_limit = mem_limit, nano_cpus, pids_limit
-        self.tmp_size_mb = tmp_size_mb
+        self.tmp_size_mb, self.disk_mb = tmp_size_mb, disk_mb
+        # Per-container disk limits need a driver that enforces --storage-opt size (btrfs with
+        # quotas, as `make up` sets up; overlay2 only on XFS with pquota).
+        try:
+            self.disk_quota = self.client.info().get("Driver") == "btrfs"
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            self.disk_quota = False
         self._leftovers: set[str] = set()  # containers whose removal failed (engine down): swept later
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
@@ -172,7 +179,7 @@ class DockerBackend:
         return self.client.images.get(image).id
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
-              memory_mb: int | None = None, network: bool = False) -> DockerSandbox:
+              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None) -> DockerSandbox:
         """Start an isolated container running ``sleep infinity`` (work dir ``/app``).
 
         Args:
@@ -181,6 +188,8 @@ class DockerBackend:
             cpus: CPU limit (None: the backend's default).
             memory_mb: memory limit in MiB, swap included (None: the backend's default).
             network: give the sandbox the engine's default network (tasks that opt in); else none.
+            disk_mb: limit on what the sandbox writes (None: the backend's default), enforced when
+                ``disk_quota`` (a btrfs engine); else only ``/tmp`` is bounded.
 
         Raises:
             SandboxInfraError: reason ``sandbox_start_failed``.
@@ -193,6 +202,7 @@ class DockerBackend:
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777"},
+                storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), **labels}, working_dir="/app",
             )
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend, DockerSandbox
 
-PoolKey = tuple[str, float | None, int | None, bool]
+PoolKey = tuple[str, float | None, int | None, bool, int | None]
 
 
 class WarmPool:
@@ -48,13 +48,14 @@ class WarmPool:
         self.stats = {"warm": 0, "cold": 0, "stale": 0, "start_failures": 0}
 
     @staticmethod
-    def _key(image: str, cpus: float | None, memory_mb: int | None, network: bool) -> PoolKey:
-        return (image, cpus, memory_mb, network)
+    def _key(image: str, cpus: float | None, memory_mb: int | None, network: bool,
+             disk_mb: int | None = None) -> PoolKey:
+        return (image, cpus, memory_mb, network, disk_mb)
 
     def ensure(self, image: str, n: int, cpus: float | None = None, memory_mb: int | None = None,
-               network: bool = False) -> None:
+               network: bool = False, disk_mb: int | None = None) -> None:
         """Declare demand: keep ``n`` (capped at ``max_idle_per_image``) ready sandboxes of this kind."""
-        key = self._key(image, cpus, memory_mb, network)
+        key = self._key(image, cpus, memory_mb, network, disk_mb)
         with self._lock:
             self._target[key] = min(n, self.max_idle)
         self._refill(key)
@@ -69,10 +70,10 @@ class WarmPool:
             self._starter.submit(self._start_one, key)
 
     def _start_one(self, key: PoolKey) -> None:
-        image, cpus, memory_mb, network = key
+        image, cpus, memory_mb, network, disk_mb = key
         try:
             box = self.backend.start(image, {"agentrl.pool": "warm"}, cpus=cpus, memory_mb=memory_mb,
-                                     network=network)
+                                     network=network, disk_mb=disk_mb)
         except SandboxInfraError:
             with self._lock:
                 self._pending[key] -= 1
@@ -86,7 +87,8 @@ class WarmPool:
             self._idle[key].append(box)
 
     def acquire(self, image: str, labels: dict[str, str] | None = None, cpus: float | None = None,
-                memory_mb: int | None = None, network: bool = False) -> tuple[DockerSandbox, bool]:
+                memory_mb: int | None = None, network: bool = False,
+                disk_mb: int | None = None) -> tuple[DockerSandbox, bool]:
         """A started sandbox of ``image`` with these limits.
 
         Returns:
@@ -95,7 +97,7 @@ class WarmPool:
         Raises:
             SandboxInfraError: a cold start failed (``sandbox_start_failed``).
         """
-        key = self._key(image, cpus, memory_mb, network)
+        key = self._key(image, cpus, memory_mb, network, disk_mb)
         box = None
         while True:
             with self._lock:
@@ -114,7 +116,7 @@ class WarmPool:
         warm = box is not None
         if box is None:
             box = self.backend.start(image, {"agentrl.pool": "cold", **(labels or {})}, cpus=cpus,
-                                     memory_mb=memory_mb, network=network)
+                                     memory_mb=memory_mb, network=network, disk_mb=disk_mb)
         with self._lock:
             self.stats["warm" if warm else "cold"] += 1
         self._refill(key)
