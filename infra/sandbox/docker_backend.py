@@ -36,8 +36,9 @@ from infra.sandbox.base import ExecResult, SandboxInfraError
 
 LABEL = "agentrl"
 OUTPUT_LIMIT_BYTES = 16_384
-# Commands run detached; their output goes to a file (outside the tmpfs /tmp, which the archive
-# API cannot read) that is read back once the exec finished. The previous output is removed first.
+# Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
+# fills its disk quota still gets its output back), read back with one more exec once the command
+# finished (the archive API cannot read a tmpfs). The previous output is removed first.
 _EXEC_DIR = "/.agentrl-exec"
 _EXEC_WRAPPER = (f'mkdir -p {_EXEC_DIR} && rm -f {_EXEC_DIR}/*.out; '
                  f'timeout -s KILL "$0" bash -c "$1" > "{_EXEC_DIR}/$2" 2>&1')
@@ -201,7 +202,7 @@ class DockerBackend:
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777"},
+                tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777", _EXEC_DIR: "size=32m,mode=700"},
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), **labels}, working_dir="/app",
             )
@@ -381,8 +382,11 @@ class DockerSandbox:
             poll_s = min(poll_s * 1.5, 0.1)
         duration_s = time.monotonic() - start
         exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
-        raw = self.get_file(f"{_EXEC_DIR}/{name}") if exit_code not in (137, -1) or self._alive() else None
-        output = (raw or b"")[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
+        raw = b""
+        if exit_code not in (137, -1) or self._alive():
+            raw = self._api("read output", self._container.exec_run,
+                            ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
+        output = raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
         # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container
