@@ -10,6 +10,7 @@ or ``{"reward": x}`` to ``/logs/verifier/reward.json``) and the reference soluti
 - ``[verifier] timeout_sec``: the limit for ``tests/test.sh``;
 - ``[environment] cpus``, ``memory_mb`` (or ``memory = "2G"``), ``storage_mb`` (or ``storage``),
   ``allow_internet``; ``build_timeout_sec`` is read and checked but not enforced;
+  ``setup_command`` (our extension): run once after start, snapshotted, attempts start from it;
 - ``[metadata] difficulty``, ``tags``, ``category``.
 
 Unknown keys are ignored, as Harbor ignores them. Not supported (load errors):
@@ -98,6 +99,9 @@ def load_harbor_task(folder: Path) -> Task:
     allow_internet = env.get("allow_internet", False)
     if not isinstance(allow_internet, bool):
         raise TaskError(f"{spec_path}: field 'environment.allow_internet' must be true or false")
+    setup_command = env.get("setup_command", "")
+    if not isinstance(setup_command, str):
+        raise TaskError(f"{spec_path}: field 'environment.setup_command' must be a string")
     meta = section("metadata")
     tags = meta.get("tags", []) or []
     if not isinstance(tags, list):
@@ -122,4 +126,5 @@ def load_harbor_task(folder: Path) -> Task:
         cpus=float(cpus) if cpus is not None else None,
         memory_mb=memory_mb,
         disk_mb=disk_mb,
+        setup_command=setup_command.strip(),
     )

@@ -54,6 +54,9 @@ class Task:
         memory_mb: memory limit for the sandbox in MiB (None: the backend's default).
         disk_mb: disk limit for the sandbox's writable layer in MiB (None: the backend's default;
             enforced when the engine's storage driver supports it, see ``DockerBackend``).
+        setup_command: an expensive set-up to run once in a started sandbox before any attempt
+            (``[environment] setup_command`` in task.toml, ``setup_command`` in task.yaml; our
+            extension): its result is committed as a snapshot image attempts start from.
     """
 
     task_id: str
@@ -76,6 +79,7 @@ class Task:
     cpus: float | None = None
     memory_mb: int | None = None
     disk_mb: int | None = None
+    setup_command: str = ""
 
 
 class TaskError(ValueError):

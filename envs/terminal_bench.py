@@ -4,7 +4,8 @@ A folder holds ``task.yaml`` (instruction, ``max_agent_timeout_sec``, ``max_test
 ``parser_name``, ``difficulty``, ``tags``), the environment as a ``Dockerfile`` or a
 single-service ``docker-compose.yaml`` whose service is built from the folder, hidden ``tests/``
 (``test_outputs.py``, run with pytest), optionally ``run-tests.sh``, and the reference solution
-``solution.sh``. ``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder
+``solution.sh`` (and, our extension, ``setup_command``: an expensive set-up run once and
+snapshotted). ``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder
 does not stop the others: it is returned in the error list with a message naming the file and
 the field.
 
@@ -102,6 +103,9 @@ def load_terminal_task(folder: Path) -> Task:
     tags = spec.get("tags", []) or []
     if not isinstance(tags, list):
         raise TaskError(f"{spec_path}: field 'tags' must be a list")
+    setup_command = spec.get("setup_command", "") or ""
+    if not isinstance(setup_command, str):
+        raise TaskError(f"{spec_path}: field 'setup_command' must be a string")
     solution = folder / "solution.sh"
     return Task(
         task_id=f"tb/{folder.name}",
@@ -118,6 +122,7 @@ def load_terminal_task(folder: Path) -> Task:
         verifier="pytest",
         dockerfile=dockerfile,
         solution=solution.read_text() if solution.is_file() else None,
+        setup_command=setup_command.strip(),
     )
 
 

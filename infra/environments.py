@@ -205,6 +205,18 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
             return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}",
                             task_format=task.task_format)
         logs[task.task_id] = log
+        if task.setup_command:  # attempts start from a snapshot taken after the set-up ran once
+            from infra.sandbox.pool import WarmPool
+
+            pool = WarmPool(backend)
+            try:
+                tag = pool.snapshot(tag, task.setup_command, timeout_s=task.agent_timeout_s)
+            except SandboxInfraError as e:
+                return EnvEntry(task.task_id, split[task.task_id], "", "", built, False,
+                                f"set-up snapshot failed: {e}", task_format=task.task_format)
+            finally:
+                pool.close()
+            logs[task.task_id] += f"\nset-up snapshot: {tag}\n"
         return EnvEntry(task.task_id, split[task.task_id], tag, backend.image_digest(tag), built, True,
                         task_format=task.task_format)
 

@@ -291,3 +291,21 @@ def test_model_breaking_its_sandbox_is_told_apart_from_an_outside_kill(backend):
     finally:
         broken.close()
         killed.close()
+
+
+def test_setup_command_is_snapshotted_once(backend, tmp_path):
+    shutil.copytree(HARBOR / "write-greeting", tmp_path / "slow-setup")
+    toml = tmp_path / "slow-setup" / "task.toml"
+    marker = f"ready-{time.time_ns()}"
+    toml.write_text(toml.read_text().replace("[environment]", f"[environment]\nsetup_command = \"sleep 1; echo "
+                                             f"{marker} > /opt/setup-done\""))
+    task = load_harbor_task(tmp_path / "slow-setup")
+    entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"}, validate=False)
+    (entry,) = entries
+    assert entry.usable and entry.image.startswith("agentrl-snapshot-"), entry
+    box = backend.start(entry.image, {"agentrl.test": "snapshot"})
+    try:
+        assert box.exec("cat /opt/setup-done", 5).output.strip() == marker
+    finally:
+        box.close()
+        backend.client.images.remove(entry.image, force=True)
