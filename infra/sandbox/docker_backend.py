@@ -196,9 +196,11 @@ class DockerBackend:
             SandboxInfraError: reason ``sandbox_start_failed``.
         """
         mem = f"{memory_mb}m" if memory_mb else self.mem_limit
+        container = None
         try:
-            container = self.client.containers.run(
-                image, ["sleep", "infinity"], detach=True, network_mode=None if network else "none", init=True,
+            # create, then start: a start that fails (engine going down) must not leak the created container
+            container = self.client.containers.create(
+                image, ["sleep", "infinity"], network_mode=None if network else "none", init=True,
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
@@ -206,7 +208,10 @@ class DockerBackend:
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), **labels}, working_dir="/app",
             )
+            container.start()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
+            if container is not None:
+                DockerSandbox(container, self._leftovers).close()  # removed now, or swept once the engine is back
             raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}") from e
         box = DockerSandbox(container, self._leftovers)
         try:
