@@ -81,7 +81,7 @@ def test_tmp_fill_is_bounded_and_host_files_invisible(boxes, backend):
 
 def test_disk_fill_is_bounded(boxes, backend):
     if not backend.disk_quota:
-        pytest.skip("the engine's storage driver enforces no per-container size (make up sets up btrfs)")
+        pytest.skip("the engine enforces no per-container size (AGENTRL_DOCKER_QUOTA=1 make up sets up btrfs)")
     box = boxes(disk_mb=200)
     r = box.exec("dd if=/dev/zero of=/app/fill bs=1M count=1024 2>&1; sync", 120)
     assert "Disk quota exceeded" in r.output or "No space left on device" in r.output, r.output
@@ -234,7 +234,10 @@ def test_warm_pool_hands_out_started_sandboxes_and_refills(backend):
         other.close()
     finally:
         pool.close()
-    assert backend.client.containers.list(all=True, filters={"label": ["agentrl.pool=warm"]}) == []
+    from infra.sandbox.docker_backend import owner_id
+
+    mine = {"label": ["agentrl.pool=warm", f"agentrl.owner={owner_id()}"]}  # not other runs' containers
+    assert backend.client.containers.list(all=True, filters=mine) == []
 
 
 def test_snapshot_skips_expensive_setup(backend):
@@ -267,7 +270,7 @@ def test_orphan_reaper_removes_only_dead_owners(backend):
                                             labels={"agentrl": "1", "agentrl.owner": "other-host:1"})
     mine = backend.start(BASE_IMAGE, {"agentrl.test": "reaper"})
     try:
-        assert backend.reap_orphans() == 1
+        assert backend.reap_orphans() >= 1  # ours, plus any a crashed earlier run left on this engine
         left = {c.id for c in backend.client.containers.list(all=True, filters={"label": "agentrl=1"})}
         assert orphan.id not in left and foreign.id in left and mine._container.id in left
     finally:
