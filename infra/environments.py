@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import docker.errors
@@ -224,7 +224,7 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         if not entry.usable:
             return entry
         if not validate:
-            return EnvEntry(**{**asdict(entry), "validation": "skipped"})
+            return replace(entry, validation="skipped")
         task = tasks[entry.task_id]
         key = validation_key(task, entry.image_digest)
         cached = cache_get(key) if cache_get else None
@@ -232,16 +232,15 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
             try:
                 ok, message = validate_task(backend, task, entry.image)
             except SandboxInfraError as e:  # not the task's fault: unusable this run, not cached
-                return EnvEntry(**{**asdict(entry), "usable": False, "reason": f"validation could not run: {e}",
-                                   "validation": "infra_failure"})
+                return replace(entry, usable=False, reason=f"validation could not run: {e}",
+                               validation="infra_failure")
             cached = {"ok": ok, "message": message, "task_id": task.task_id}
             if cache_put:
                 cache_put(key, cached)
         logs[entry.task_id] = logs.get(entry.task_id, "") + f"\nvalidation: {cached['message']}\n"
         if cached["ok"]:
-            return EnvEntry(**{**asdict(entry), "validation": "passed"})
-        return EnvEntry(**{**asdict(entry), "usable": False, "reason": f"validation failed: {cached['message']}",
-                           "validation": "failed"})
+            return replace(entry, validation="passed")
+        return replace(entry, usable=False, reason=f"validation failed: {cached['message']}", validation="failed")
 
     with ThreadPoolExecutor(max_workers=max_parallel_builds) as pool:
         entries = list(pool.map(build, tasks.values()))

@@ -154,16 +154,11 @@ class Collector:
             retry = [e for e in batch if e.infra_reason]
             if not retry or attempt == self.s.max_infra_retries:
                 break
-            wait_engine = getattr(self.backend, "wait_engine", None)
-            if wait_engine is not None:
-                wait_engine(60.0)  # after an engine restart, retry once it answers again
+            self.backend.wait_engine(60.0)  # after an engine restart, retry once it answers again
             batch = [Episode(e.task, e.group_id, e.sample_index, attempt + 1, e.seed + attempt + 1,
                              e.image, e.image_digest) for e in retry]
-        sweep = getattr(self.backend, "sweep_leftovers", None)
-        if sweep is not None and sweep():
-            wait_engine = getattr(self.backend, "wait_engine", None)
-            if wait_engine is not None and wait_engine(60.0):
-                sweep()
+        if self.backend.sweep_leftovers() and self.backend.wait_engine(60.0):
+            self.backend.sweep_leftovers()
         return [self._row(run_id, step, e) for e in sorted(finished, key=lambda e: (e.group_id, e.sample_index,
                                                                                         e.attempt))]
 

@@ -387,17 +387,16 @@ class DockerSandbox:
             poll_s = min(poll_s * 1.5, 0.1)
         duration_s = time.monotonic() - start
         exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
-        raw = b""
-        if exit_code not in (137, -1) or self._alive():
-            raw = self._api("read output", self._container.exec_run,
-                            ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
+        # A SIGKILL (137) or no exit code may mean the container itself is gone: one inspect decides.
+        if exit_code in (137, -1) and not self._alive():
+            raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
+        raw = self._api("read output", self._container.exec_run,
+                        ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
         output = raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
         # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container
         # itself is no longer running, which is an infra failure.
-        if exit_code in (137, -1) and not self._alive():
-            raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         timed_out = exit_code == 137 and duration_s >= timeout_s
         return ExecResult(exit_code, output, timed_out, duration_s)
 

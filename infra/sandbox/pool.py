@@ -20,6 +20,8 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
+import docker.errors
+
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend, DockerSandbox
 
@@ -154,7 +156,7 @@ class WarmPool:
         try:
             self.backend.image_digest(ref)
             return ref
-        except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound and friends: build it
+        except docker.errors.ImageNotFound:
             pass
         box = self.backend.start(image, {"agentrl.pool": "snapshot"})
         try:
