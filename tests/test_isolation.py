@@ -237,7 +237,7 @@ def test_warm_pool_hands_out_started_sandboxes_and_refills(backend):
     from infra.sandbox.docker_backend import owner_id
 
     mine = {"label": ["agentrl.pool=warm", f"agentrl.owner={owner_id()}"]}  # not other runs' containers
-    assert backend.client.containers.list(all=True, filters=mine) == []
+    assert backend.client.containers.list(all=True, ignore_removed=True, filters=mine) == []
 
 
 def test_snapshot_skips_expensive_setup(backend):
@@ -271,7 +271,8 @@ def test_orphan_reaper_removes_only_dead_owners(backend):
     mine = backend.start(BASE_IMAGE, {"agentrl.test": "reaper"})
     try:
         assert backend.reap_orphans() >= 1  # ours, plus any a crashed earlier run left on this engine
-        left = {c.id for c in backend.client.containers.list(all=True, filters={"label": "agentrl=1"})}
+        ours = backend.client.containers.list(all=True, ignore_removed=True, filters={"label": "agentrl=1"})
+        left = {c.id for c in ours}
         assert orphan.id not in left and foreign.id in left and mine._container.id in left
     finally:
         foreign.remove(force=True)

@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 
+import docker
 import httpx
 import pytest
 
@@ -231,7 +232,7 @@ def _collector(config, retries: int = 1):
 
 
 def _episode_containers(backend) -> list:
-    return backend.client.containers.list(all=True, filters={"label": "agentrl.episode"})
+    return backend.client.containers.list(all=True, ignore_removed=True, filters={"label": "agentrl.episode"})
 
 
 def _left_behind(backend, rows) -> list:
@@ -287,7 +288,8 @@ def test_killed_sandbox_is_infra_failure_and_retried(finished_run):
         import docker.errors
 
         while not stop.is_set() and not killed:
-            for c in rt.backend.client.containers.list(filters={"label": "agentrl.episode", "status": "running"}):
+            for c in rt.backend.client.containers.list(
+                    ignore_removed=True, filters={"label": "agentrl.episode", "status": "running"}):
                 try:
                     c.kill()
                 except docker.errors.APIError:  # not running yet or already gone: try the next one
@@ -324,7 +326,12 @@ def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
 
     def restart_when_busy() -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not _episode_containers(rt.backend):
+        while time.monotonic() < deadline:
+            try:
+                if _episode_containers(rt.backend):
+                    break
+            except docker.errors.APIError:  # the listing raced an engine call; look again
+                pass
             time.sleep(0.02)
         services.restart_engine(down_s=1.0)
         restarted.set()

@@ -224,7 +224,7 @@ class DockerBackend:
     def reap(self, labels: dict[str, str] | None = None) -> int:
         """Remove every container carrying our label (and ``labels``); returns how many."""
         filters = [f"{LABEL}=1"] + [f"{k}={v}" for k, v in (labels or {}).items()]
-        containers = self.client.containers.list(all=True, filters={"label": filters})
+        containers = self.client.containers.list(all=True, ignore_removed=True, filters={"label": filters})
         for c in containers:
             try:
                 c.remove(force=True)
@@ -267,7 +267,7 @@ class DockerBackend:
         """
         host = socket.gethostname()
         removed = 0
-        for c in self.client.containers.list(all=True, filters={"label": f"{LABEL}=1"}):
+        for c in self.client.containers.list(all=True, ignore_removed=True, filters={"label": f"{LABEL}=1"}):
             owner = c.labels.get(OWNER_LABEL, "")
             owner_host, _, pid = owner.rpartition(":")
             if owner_host != host or not pid.isdigit() or _pid_alive(int(pid)):
