@@ -32,6 +32,8 @@ from envs.task import Outcome, Task
 from envs.verify import Verdict, verify_code, verify_task
 from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
+from infra.rollout.scheduler import EpisodeJob
+from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
 
@@ -63,6 +65,7 @@ class Episode:
     sandbox: Sandbox | None = None
     sandbox_id: str = ""
     sandbox_warm: bool = False
+    engine_replica: str = ""
     verdict: Verdict | None = None
     infra_reason: str = ""
     created_s: float = field(default_factory=time.monotonic)
@@ -162,6 +165,46 @@ class Collector:
         return [self._row(run_id, step, e) for e in sorted(finished, key=lambda e: (e.group_id, e.sample_index,
                                                                                         e.attempt))]
 
+    # -- one episode at a time (the asynchronous collector's runner) -----------------------
+    def bind(self, run_id: str, step: int, images: dict[str, tuple[str, str]]) -> None:
+        """Set what rows of episodes launched from now on record: run id, step, task images."""
+        self._bound = (run_id, step, images)
+
+    def run(self, job: EpisodeJob) -> dict:
+        """Run one attempt start to end (:class:`~infra.rollout.scheduler.EpisodeRunner`).
+
+        Every turn is its own engine request routed by the episode id (the engines batch
+        concurrent episodes continuously). ``job.cancel`` is checked between turns: a cancelled
+        attempt ends as ``infra_failure/cancelled`` and its sandbox is released.
+        """
+        run_id, step, images = self._bound
+        image, digest = images.get(job.task.task_id, (self.code_image, ""))
+        e = Episode(job.task, job.group_id, job.sample_index, job.attempt, job.seed, image, digest)
+        try:
+            e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
+            e.prompt_tokens = len(e.token_ids)
+            if e.task.kind == "terminal":
+                self._acquire(e)
+            while not e.done and not job.cancel.is_set():
+                self._turn([e])
+                self._act(e)
+            if job.cancel.is_set() and not e.infra_reason:
+                e.infra_reason = "cancelled"
+            if not e.infra_reason:
+                self._verify(e)
+        finally:
+            self._release(e)
+            self.engine.finish(e.episode_id)
+        return self._row(run_id, step, e)
+
+    def failed_row(self, job: EpisodeJob, reason: str) -> dict:
+        """Row for an attempt the scheduler ended (deadline, harness error): ``infra_failure/<reason>``."""
+        run_id, step, images = self._bound
+        image, digest = images.get(job.task.task_id, (self.code_image, ""))
+        e = Episode(job.task, job.group_id, job.sample_index, job.attempt, job.seed, image, digest)
+        e.infra_reason = reason
+        return self._row(run_id, step, e)
+
     # -- the loop -------------------------------------------------------------------------
     def _run(self, episodes: list[Episode], on_progress, total: int) -> None:
         for e in episodes:
@@ -224,7 +267,13 @@ class Collector:
         if not requests:
             return
         start = time.monotonic()
-        samples = self.engine.generate(requests)
+        try:
+            samples = self.engine.generate(requests, [e.episode_id for e in ready])
+        except EngineUnavailable as err:
+            log.warning("engine unavailable for %d episode(s): %s", len(ready), err)
+            for e in ready:
+                e.infra_reason = "engine_unreachable"
+            return
         elapsed = time.monotonic() - start
         for e, sample in zip(ready, samples, strict=True):
             e.generation_s += elapsed
@@ -232,6 +281,7 @@ class Collector:
             e.num_turns += 1
             e.stop_reason = sample.stop_reason
             e.last_reply = sample.text
+            e.engine_replica = sample.replica or self.engine.replica
 
     def _act(self, e: Episode) -> None:
         """Run the command of the episode's last reply and append its observation."""
@@ -316,7 +366,7 @@ class Collector:
             "commands": e.commands, "image": e.image, "image_digest": e.image_digest, "seed": e.seed,
             "temperature": self.s.temperature, "top_p": self.s.top_p, "max_tokens": self.s.max_tokens_per_turn,
             "queue_s": e.queue_s, "sandbox_acquire_s": e.sandbox_acquire_s, "generation_s": e.generation_s,
-            "tool_s": e.tool_s, "verify_s": e.verify_s, "engine_replica": self.engine.replica,
+            "tool_s": e.tool_s, "verify_s": e.verify_s, "engine_replica": e.engine_replica or self.engine.replica,
             "sandbox_id": e.sandbox_id, "sandbox_warm": e.sandbox_warm,
         }
 

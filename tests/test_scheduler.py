@@ -1,0 +1,198 @@
+"""Scheduling logic of the asynchronous collector (pure logic: a scripted runner, no engine, no sandbox)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from infra.rollout.scheduler import AsyncCollector, EpisodeJob, Group, ReadyBank
+
+
+class ScriptedRunner:
+    """Each task is a dict: ``seconds`` per member, optional ``fail`` (sample, attempt) pairs, ``stuck`` members.
+
+    A turn stamps ``collector.policy_version`` on its tokens, like an engine stamping its weights' version.
+    """
+
+    def __init__(self):
+        self.collector: AsyncCollector | None = None
+        self.started: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+
+    def run(self, job: EpisodeJob) -> dict:
+        with self.lock:
+            self.started.append((job.group_id, job.sample_index, job.attempt))
+        spec = job.task
+        versions = []
+        turns = spec.get("turns", 1)
+        for _ in range(turns):
+            if (job.sample_index, job.attempt) in spec.get("stuck", ()):
+                job.cancel.wait(30)
+                return self.failed_row(job, "cancelled")
+            if job.cancel.wait(spec["seconds"] / turns):
+                return self.failed_row(job, "cancelled")
+            versions.append(self.collector.policy_version)
+        if (job.sample_index, job.attempt) in spec.get("fail", ()):
+            return self.failed_row(job, "container_vanished")
+        return {"group_id": job.group_id, "sample_index": job.sample_index, "attempt": job.attempt,
+                "outcome": "success", "reason": "tests_passed", "policy_versions": versions,
+                "min_policy_version": min(versions), "max_policy_version": max(versions)}
+
+    def failed_row(self, job: EpisodeJob, reason: str) -> dict:
+        return {"group_id": job.group_id, "sample_index": job.sample_index, "attempt": job.attempt,
+                "outcome": "infra_failure", "reason": reason, "policy_versions": [],
+                "min_policy_version": -1, "max_policy_version": -1}
+
+
+def _collector(**kw) -> tuple[AsyncCollector, ScriptedRunner]:
+    runner = ScriptedRunner()
+    args = {"group_size": 2, "max_groups_in_flight": 4, "max_concurrent_episodes": 16, "episode_deadline_s": 10.0}
+    c = AsyncCollector(runner, **{**args, **kw})
+    runner.collector = c
+    return c, runner
+
+
+def test_group_launched_first_finishing_last_does_not_block_the_batch():
+    c, _ = _collector()
+    try:
+        c.submit([("slow", {"seconds": 2.0}), ("a", {"seconds": 0.05}), ("b", {"seconds": 0.1})])
+        batch = c.next_batch(2, timeout_s=10)
+        assert [g.group_id for g in batch.groups] == ["a", "b"]
+        assert batch.metrics["time_to_batch_s"] < 1.5  # did not wait for the slow group
+        assert c.in_flight == 1  # the slow one carries on and serves the next batch
+        nxt = c.next_batch(1, timeout_s=10)
+        assert [g.group_id for g in nxt.groups] == ["slow"] and len(nxt.train_rows()) == 2
+    finally:
+        c.close()
+
+
+def test_launch_order_baseline_waits_for_the_first_group():
+    c, _ = _collector(in_launch_order=True, prefetch=False, max_groups_in_flight=2)
+    try:
+        c.submit([("slow", {"seconds": 0.6}), ("a", {"seconds": 0.05}), ("b", {"seconds": 0.05})])
+        batch = c.next_batch(2, timeout_s=10)
+        assert [g.group_id for g in batch.groups] == ["slow", "a"]
+        assert batch.metrics["time_to_batch_s"] >= 0.55
+        assert c.in_flight == 0 and c.pending == 1  # no prefetch: "b" was never launched
+    finally:
+        c.close()
+
+
+def test_surplus_groups_carry_over_to_the_next_batch():
+    c, _ = _collector(max_groups_in_flight=6)
+    try:
+        c.submit([(f"g{i}", {"seconds": 0.05}) for i in range(6)])
+        first = c.next_batch(2, timeout_s=10)
+        time.sleep(0.3)  # the other four finish while the trainer would train
+        second = c.next_batch(4, timeout_s=10)
+        assert second.metrics["groups_carried_in"] == 4
+        assert {g.group_id for g in first.groups} | {g.group_id for g in second.groups} == {f"g{i}" for i in range(6)}
+    finally:
+        c.close()
+
+
+def test_lag_bound_drops_stale_groups_and_histograms_the_rest():
+    bank = ReadyBank(max_policy_lag=1)
+    for gid, version in [("v0", 0), ("v1", 1), ("v2", 2)]:
+        g = Group(gid, None, 0, 1, 0.0)
+        g.final[0] = {"min_policy_version": version}
+        bank.put(g)
+    taken = bank.take(3, current_version=2)
+    assert [g.group_id for g in taken] == ["v1", "v2"]
+    assert [g.group_id for g in bank.dropped_stale] == ["v0"] and bank.dropped_stale[0].dropped == "stale"
+    with pytest.raises(ValueError, match="not complete"):
+        bank.put(Group("x", None, 0, 2, 0.0))
+
+
+def test_collector_never_hands_out_groups_beyond_the_lag_bound():
+    c, _ = _collector(max_policy_lag=1)
+    try:
+        c.submit([("old", {"seconds": 0.05})])
+        time.sleep(0.3)  # complete at version 0, banked
+        c.update_weights(lambda: None, 1)
+        c.update_weights(lambda: None, 2)  # "old" is now 2 versions behind
+        c.submit([("new", {"seconds": 0.05})])
+        batch = c.next_batch(1, timeout_s=10)
+        assert [g.group_id for g in batch.groups] == ["new"]
+        assert batch.metrics["dropped_stale"] == 1 and batch.metrics["lag_hist_0"] == 1
+    finally:
+        c.close()
+
+
+def test_stuck_sibling_is_cancelled_at_its_deadline_and_retried():
+    c, runner = _collector(episode_deadline_s=0.3, infra_policy="retry", max_infra_retries=1)
+    try:
+        c.submit([("g", {"seconds": 0.05, "stuck": [(1, 0)]})])
+        batch = c.next_batch(1, timeout_s=10)
+        rows = batch.rows
+        assert sorted((r["sample_index"], r["attempt"], r["outcome"]) for r in rows) == [
+            (0, 0, "success"), (1, 0, "infra_failure"), (1, 1, "success")]
+        assert [r["reason"] for r in rows if r["outcome"] == "infra_failure"] == ["episode_deadline"]
+        assert batch.metrics["deadline_cancels"] == 1 and batch.metrics["infra_retries"] == 1
+    finally:
+        c.close()
+
+
+def test_drop_policy_drops_the_group_and_another_fills_the_batch():
+    c, _ = _collector(infra_policy="drop", max_groups_in_flight=2)
+    try:
+        c.submit([("bad", {"seconds": 0.05, "fail": [(0, 0)]}), ("ok", {"seconds": 0.1}), ("ok2", {"seconds": 0.1})])
+        batch = c.next_batch(2, timeout_s=10)
+        assert sorted(g.group_id for g in batch.groups) == ["ok", "ok2"]
+        assert batch.metrics["dropped_infra"] == 1
+    finally:
+        c.close()
+
+
+def test_retries_exhausted_drop_the_group():
+    c, _ = _collector(infra_policy="retry", max_infra_retries=1)
+    try:
+        c.submit([("bad", {"seconds": 0.02, "fail": [(0, 0), (0, 1)]})])
+        with pytest.raises(RuntimeError, match="impossible"):
+            c.next_batch(1, timeout_s=10)
+        assert c.counters["dropped_infra"] == 1 and c.counters["infra_retries"] == 1
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("policy", ["pause", "finish", "abort"])
+def test_update_policies_and_per_token_versions(policy):
+    c, runner = _collector(update_policy=policy, max_policy_lag=1)
+    try:
+        c.submit([("g", {"seconds": 0.6, "turns": 3})])
+        time.sleep(0.3)  # mid-trajectory: one turn done on version 0
+        c.update_weights(lambda: time.sleep(0.05), 1)
+        rows = c.next_batch(1, timeout_s=10).train_rows()
+        versions = [r["policy_versions"] for r in rows]
+        if policy == "pause":  # continued on the new weights: the versions say which turn was which
+            assert all(v[0] == 0 and v[-1] == 1 for v in versions)
+        elif policy == "finish":  # the update waited for them: all on version 0
+            assert all(v == [0, 0, 0] for v in versions)
+        else:  # aborted and relaunched from scratch on version 1
+            assert all(v == [1, 1, 1] for v in versions)
+            assert c.counters["aborted_for_update"] == 2
+            assert sum(1 for s in runner.started if s[0] == "g") == 4
+    finally:
+        c.close()
+
+
+def test_timeout_keeps_groups_banked():
+    c, _ = _collector()
+    try:
+        c.submit([("fast", {"seconds": 0.02}), ("slow", {"seconds": 1.0})])
+        with pytest.raises(TimeoutError):
+            c.next_batch(2, timeout_s=0.3)
+        batch = c.next_batch(2, timeout_s=10)
+        assert sorted(g.group_id for g in batch.groups) == ["fast", "slow"]
+    finally:
+        c.close()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="update_policy"):
+        AsyncCollector(ScriptedRunner(), group_size=2, max_groups_in_flight=2, max_concurrent_episodes=2,
+                       update_policy="later")
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        ReadyBank(-1)

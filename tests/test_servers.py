@@ -1,0 +1,128 @@
+"""Several real vLLM OpenAI servers behind the router: stickiness, failover, versions across an update.
+
+Two servers (tiny model) are started once for the module; the collector runs real episodes in
+Docker sandboxes through them with the asynchronous scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from infra.rollout.engine import SampleRequest
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    from infra.rollout.servers import start_servers
+
+    started = start_servers(str(tiny_model), 2, tmp_path_factory.mktemp("vllm-logs"), max_model_len=1024,
+                            kv_cache_gib=1.0, threads=1)
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture()
+def engine(servers, tiny_tokenizer):
+    from infra.rollout.servers import ServerEngine
+
+    for s in servers:
+        if not s.alive():
+            pytest.skip("a previous test killed a server")
+    eng = ServerEngine(servers, tiny_tokenizer)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hello_image(backend):
+    from envs import load_taskset
+    from infra.environments import build_catalog
+    from tasks.runtime import repo_root
+
+    tasks = {t.task_id: t for t in load_taskset(repo_root() / "envs/terminal")[0] if t.task_id == "tb/hello-file"}
+    entries, _ = build_catalog(backend, tasks, {k: "train" for k in tasks}, validate=False)
+    assert entries[0].usable, entries[0].reason
+    return tasks["tb/hello-file"], {"tb/hello-file": (entries[0].image, entries[0].image_digest)}
+
+
+def _collector(engine, backend, images, max_turns: int = 3, **kw):
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import Collector, CollectSettings
+    from infra.rollout.scheduler import AsyncCollector
+
+    settings = CollectSettings(group_size=2, temperature=1.0, top_p=1.0, max_tokens_per_turn=12,
+                               max_turns=max_turns, seed=3, max_infra_retries=2)
+    runner = Collector(engine, backend, settings, code_image=BASE_IMAGE)
+    runner.bind("test-servers", 0, images)
+    args = {"group_size": 2, "max_groups_in_flight": 4, "max_concurrent_episodes": 8, "max_infra_retries": 2,
+            "episode_deadline_s": 300}
+    return AsyncCollector(runner, **{**args, **kw})
+
+
+def test_sticky_routing_keeps_a_trajectory_on_its_replica_and_hits_its_prefix_cache(engine, tiny_tokenizer):
+    before = engine.prefix_cache()
+    served: dict[str, set] = {}
+    histories = {f"traj{i}": tiny_tokenizer("hello there, this is a long enough shared prompt " * 4)["input_ids"]
+                 for i in range(4)}
+    for turn in range(3):
+        samples = engine.generate([SampleRequest(h, 8, 1.0, 1.0, turn) for h in histories.values()],
+                                  list(histories))
+        for (tid, h), s in zip(list(histories.items()), samples, strict=True):
+            served.setdefault(tid, set()).add(s.replica)
+            histories[tid] = h + s.token_ids + tiny_tokenizer(" ok")["input_ids"]
+    assert all(len(r) == 1 for r in served.values()), served  # sticky
+    assert {next(iter(r)) for r in served.values()} == set(engine.servers)  # new ones spread over both
+    after = engine.prefix_cache()
+    assert after["hits"] - before["hits"] > 0  # later turns reused the cached history
+
+
+def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hello_image, tiny_model):
+    task, images = hello_image
+    c = _collector(engine, backend, images, max_turns=3, update_policy="pause")
+    try:
+        c.submit([("g-update", task)])
+        deadline = time.monotonic() + 120
+        while engine.router.requests < 2 and time.monotonic() < deadline:  # both siblings sent turn 1
+            time.sleep(0.01)
+        pause_s = c.update_weights(lambda: engine.load_weights(str(tiny_model), 1), 1)
+        batch = c.next_batch(1, timeout_s=300)
+    finally:
+        c.drain(60)
+        c.close()
+    assert pause_s > 0
+    for row in batch.train_rows():
+        sampled = [v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m]
+        assert sampled[0] == 0, "turn 1 was sent before the update"
+        assert sampled == sorted(sampled) and set(sampled) <= {0, 1}
+        assert row["min_policy_version"] == sampled[0] and row["max_policy_version"] == sampled[-1]
+        if row["num_turns"] > 1:
+            assert sampled[-1] == 1, "turns after the update must come from version 1"
+        assert all(v == -1 for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if not m)
+
+
+def test_replica_death_fails_over_and_the_batch_completes(servers, engine, backend, hello_image):
+    task, images = hello_image
+    c = _collector(engine, backend, images, max_turns=3, infra_policy="retry")
+    victim = servers[0]
+    try:
+        c.submit([("g-a", task), ("g-b", task)])
+        deadline = time.monotonic() + 120
+        while engine.router.in_flight[victim.url] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        victim.kill()
+        batch = c.next_batch(2, timeout_s=300)
+    finally:
+        c.drain(60)
+        c.close()
+    assert victim.url in engine.router.dead
+    failed = [r for r in batch.rows if r["outcome"] == "infra_failure"]
+    assert failed and {r["reason"] for r in failed} == {"engine_unreachable"}
+    for row in batch.train_rows():
+        assert row["outcome"] != "infra_failure"
+    retried = {(r["group_id"], r["sample_index"]) for r in failed}
+    for row in batch.train_rows():  # every retried member finished on the surviving replica
+        if (row["group_id"], row["sample_index"]) in retried:
+            assert row["engine_replica"] == servers[1].url and row["attempt"] >= 1
