@@ -114,6 +114,12 @@ class TrainConfig(_Strict):
     """Mask tokens (token level) or rows (sequence level) whose ratio is below this; None = off."""
     mask_ratio_high: float | None = Field(None, gt=1)
     """Mask tokens or rows whose ratio is above this; None = off."""
+    divergence_threshold: float | None = Field(None, gt=0)
+    """Per-row KL(behaviour || current) estimate beyond which a row is dropped or down-weighted; None = off."""
+    divergence_estimator: Literal["k1", "k3"] = "k3"
+    """Estimator compared with the threshold (Schulman 2020): k3 is never negative, k1 unbiased but noisy."""
+    divergence_action: Literal["drop", "downweight"] = "drop"
+    """Beyond the threshold: weight 0 (drop), or threshold/divergence (downweight)."""
     baseline: Literal["mean", "leave_one_out"] = "mean"
     """Group baseline: the group mean (GRPO) or the mean of the other rows (RLOO)."""
     scale_by_std: bool = False

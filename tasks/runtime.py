@@ -98,7 +98,9 @@ class Runtime:
                                         mask_truncated=t.mask_truncated, max_seq_len=t.max_seq_len,
                                         tis_level=t.tis_level, mask_ratio_low=t.mask_ratio_low,
                                         mask_ratio_high=t.mask_ratio_high, forward_dtype=t.forward_dtype,
-                                        baseline=t.baseline)
+                                        baseline=t.baseline, divergence_threshold=t.divergence_threshold,
+                                        divergence_estimator=t.divergence_estimator,
+                                        divergence_action=t.divergence_action)
         return self._trainer
 
     def load_catalog(self, catalog_uri: str) -> dict:

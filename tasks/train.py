@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -10,9 +12,18 @@ from infra.store import read_step
 from tasks.runtime import runtime
 
 
+def divergence_uri(trajectories_uri: str) -> str:
+    """Where a step's per-row divergence decisions are stored."""
+    head, _, name = trajectories_uri.rpartition("/trajectories/")
+    return f"{head}/divergence/{name}"
+
+
 @task(name="train_step", cache_policy=NO_CACHE)
 def train_step(config: RunConfig, trajectories_uri: str) -> dict:
     """Read the step's rows back from storage and run one GRPO step on them.
+
+    The per-row divergence decisions (KL estimates k1/k3 of behaviour vs current policy, weight,
+    ``keep``/``drop``/``downweight``) are written to ``{run}/divergence/step-NNNNNN.parquet``.
 
     Returns:
         Trainer metrics (see ``GRPOTrainer.step``) plus ``policy_lag_max`` (trainer version minus
@@ -21,6 +32,10 @@ def train_step(config: RunConfig, trajectories_uri: str) -> dict:
     rt = runtime(config)
     rows = read_step(rt.fs, trajectories_uri).to_pylist()
     metrics = rt.trainer.step(rows)
+    decisions = rt.trainer.last_row_decisions
+    if decisions:
+        with rt.fs.open(divergence_uri(trajectories_uri), "wb") as f:
+            pq.write_table(pa.Table.from_pylist(decisions), f)
     sampled = [r["min_policy_version"] for r in rows if r["min_policy_version"] >= 0]
     metrics["policy_lag_max"] = float(rt.policy_version - min(sampled)) if sampled else 0.0
     return metrics

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from infra.train.grpo import group_advantages, tis_policy_loss, token_logprobs
+from infra.train.grpo import (
+    divergence_row_weights,
+    group_advantages,
+    row_divergence,
+    tis_policy_loss,
+    token_logprobs,
+)
 
 
 def test_advantages_found_by_group_id_not_position():
@@ -151,3 +157,36 @@ def test_ratios_outside_thresholds_are_masked_and_counted():
     np.testing.assert_allclose(lp.grad.numpy(), -np.array([math.exp(0.1), 0.0, 0.0]) / 3, rtol=1e-5)
     assert (m["masked"], m["capped"]) == (2.0, 0.0)
     assert sorted(ratios.tolist()) == pytest.approx(sorted([math.exp(0.1), math.exp(3.0), math.exp(-3.0)]), rel=1e-5)
+
+
+def test_row_divergence_k1_k3_by_hand_and_missing_positions_left_out():
+    # Row 0: log ratios [ln 2, 0] -> k1 = -ln2/2, k3 = (2 - 1 - ln2 + 0)/2. Row 1: one known token
+    # at ratio 1 and one unknown (NaN) -> 0, 0 with 1 known token.
+    rollout = torch.tensor([-1.0, -2.0, -0.5, float("nan")])
+    trainer = torch.tensor([-1.0 + math.log(2), -2.0, -0.5, -0.3])
+    k1, k3, known = row_divergence(trainer, rollout, torch.tensor([0, 0, 1, 1]), 2)
+    assert k1[0].item() == pytest.approx(-math.log(2) / 2)
+    assert k3[0].item() == pytest.approx((1 - math.log(2)) / 2)
+    assert k1[1].item() == 0.0 and k3[1].item() == 0.0 and known.tolist() == [2.0, 1.0]
+
+
+def test_divergence_row_weights_drop_and_downweight():
+    k = torch.tensor([0.05, 0.2, 0.4])
+    assert divergence_row_weights(k, 0.1, "drop").tolist() == [1.0, 0.0, 0.0]
+    assert divergence_row_weights(k, 0.1, "downweight").tolist() == pytest.approx([1.0, 0.5, 0.25])
+    with pytest.raises(ValueError, match="threshold"):
+        divergence_row_weights(k, 0.0, "drop")
+    with pytest.raises(ValueError, match="action"):
+        divergence_row_weights(k, 0.1, "ignore")
+
+
+def test_row_weight_zero_removes_the_row_but_keeps_the_denominator():
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    rollout = lp.detach().clone()
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    mask = torch.ones(3)
+    rows = torch.tensor([0, 0, 1])
+    loss, _, _ = tis_policy_loss(lp, rollout, adv, mask, 3, 2.0, row_ids=rows, row_weight=torch.tensor([0.0, 1.0]))
+    assert loss.item() == pytest.approx(2.0 / 3)  # only row 1: -(1/3) * (-2)
+    loss.backward()
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, 2.0 / 3])

@@ -103,3 +103,28 @@ def test_save_and_resume_is_exact(tiny_model, tiny_tokenizer, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)  # optimizer moments were restored too
     with pytest.raises(FileNotFoundError, match="no trainer state"):
         resumed.load_state(tmp_path / "state", tag="step-9")
+
+
+def test_divergence_beyond_threshold_drops_the_row_and_records_the_decision(tiny_model, tiny_tokenizer):
+    from infra.train.trainer import GRPOTrainer
+
+    rows = _rows(tiny_tokenizer)[:4]
+    rows = [dict(r, episode_id=f"e{i}") for i, r in enumerate(rows)]
+    # Row 0: the behaviour policy was near-certain of tokens the current policy finds unlikely (random
+    # tokens, logprob about -6 under the tiny model): k1 = mean(lp_rollout - lp_trainer) about 6. Row 1:
+    # unknown (NaN) behaviour logprobs: neutral, k = 0, kept.
+    rows[0]["rollout_logprobs"] = [0.0 if m == 0 else -0.01 for m in rows[0]["loss_mask"]]
+    rows[1]["rollout_logprobs"] = [0.0 if m == 0 else float("nan") for m in rows[1]["loss_mask"]]
+    trainer = GRPOTrainer(str(tiny_model), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=2, tis_cap=2.0,
+                          temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
+                          divergence_threshold=3.0, divergence_estimator="k1", divergence_action="drop")
+    m = trainer.step(rows)
+    by_id = {d["episode_id"]: d for d in trainer.last_row_decisions}
+    assert set(by_id) == {"e0", "e1", "e2", "e3"}
+    assert by_id["e0"]["decision"] == "drop" and by_id["e0"]["weight"] == 0.0 and by_id["e0"]["kl_k1"] > 3.0
+    assert by_id["e1"]["decision"] == "keep" and by_id["e1"]["known_tokens"] == 0 and by_id["e1"]["kl_k3"] == 0.0
+    assert m["rows_dropped_divergence"] == 1.0 and m["rows_downweighted_divergence"] == 0.0
+    with pytest.raises(ValueError, match="divergence estimator"):
+        GRPOTrainer(str(tiny_model), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=2, tis_cap=2.0,
+                    temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
+                    divergence_estimator="k2")

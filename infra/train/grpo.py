@@ -81,10 +81,62 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def row_divergence(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, row_ids: torch.Tensor,
+                   n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row KL estimates between the behaviour (rollout) policy and the current (trainer) policy.
+
+    With ``log r_t = lp_t - lp_rollout_t`` at the row's known loss tokens (rollout logprob not NaN),
+    ``k1 = mean(-log r)`` and ``k3 = mean(r - 1 - log r)`` estimate KL(pi_rollout || pi_trainer)
+    (Schulman 2020, "Approximating KL Divergence"; tokens are sampled from pi_rollout). k1 is
+    unbiased but can be negative on one row; k3 is never negative.
+
+    Args:
+        logprobs: ``(N,)`` trainer logprobs of the loss tokens (detached or not; not differentiated).
+        rollout_logprobs: ``(N,)`` behaviour logprobs (NaN = unknown, left out).
+        row_ids: ``(N,)`` int64 row index of each token, in ``[0, n_rows)``.
+        n_rows: number of rows.
+
+    Returns:
+        ``(k1, k3, known_tokens)``, each ``(n_rows,)`` float; rows without a known token get 0.
+    """
+    lp = logprobs.detach().double()
+    known = ~torch.isnan(rollout_logprobs)
+    log_ratio = torch.where(known, lp - torch.nan_to_num(rollout_logprobs.double(), nan=0.0), torch.zeros_like(lp))
+    count = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, row_ids, known.double())
+    k1 = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, row_ids, -log_ratio)
+    k3 = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, row_ids, torch.expm1(log_ratio) - log_ratio)
+    denom = count.clamp(min=1.0)
+    return k1 / denom, k3 / denom, count
+
+
+def divergence_row_weights(divergence: torch.Tensor, threshold: float, action: str) -> torch.Tensor:
+    """Per-row weight from a divergence estimate.
+
+    1 within ``threshold``; beyond it 0 (``drop``) or ``threshold / divergence`` (``downweight``).
+
+    Args:
+        divergence: ``(R,)`` per-row estimate (e.g. k3 from :func:`row_divergence`).
+        threshold: > 0.
+        action: ``drop`` or ``downweight``.
+
+    Raises:
+        ValueError: ``threshold <= 0`` or an unknown ``action``.
+    """
+    if threshold <= 0:
+        raise ValueError(f"divergence threshold must be > 0, got {threshold}")
+    beyond = divergence > threshold
+    if action == "drop":
+        return torch.where(beyond, torch.zeros_like(divergence), torch.ones_like(divergence))
+    if action == "downweight":
+        return torch.where(beyond, threshold / divergence.clamp(min=threshold), torch.ones_like(divergence))
+    raise ValueError(f"divergence action must be 'drop' or 'downweight', got {action!r}")
+
+
 def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, total_tokens: int, tis_cap: float, level: str = "token",
                     row_ids: torch.Tensor | None = None, mask_low: float | None = None,
-                    mask_high: float | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+                    mask_high: float | None = None,
+                    row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """Policy-gradient loss with a truncated importance-sampling correction, token-level aggregation.
 
     All tensor arguments share one shape ``S`` (``(B, T)``, or ``(N,)`` for selected tokens).
@@ -113,6 +165,8 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         row_ids: ``S`` int64 row index of each token (sequence level only).
         mask_low: ratios below it are masked (None: no lower mask).
         mask_high: ratios above it are masked (None: no upper mask).
+        row_weight: ``(R,)`` multiplier per row (indexed by ``row_ids``), e.g. from
+            :func:`divergence_row_weights`; dropped rows (weight 0) stay in ``N``.
 
     Returns:
         (loss scalar; metric sums over this micro-batch: ``tokens`` (known), ``abs_diff``, ``k1``, ``k3``,
@@ -145,6 +199,10 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
     if mask_high is not None:
         outside |= weight_ratio > mask_high
     weight = torch.where(outside, torch.zeros_like(weight), weight)
+    if row_weight is not None:
+        if row_ids is None:
+            raise ValueError("row_weight needs row_ids")
+        weight = weight * row_weight.to(weight.dtype)[row_ids.reshape(-1)].reshape(weight.shape)
     pg = weight * advantages * torch.exp(logprobs - logprobs.detach())
     loss = -(pg * mask).sum() / max(total_tokens, 1)
     metrics = {

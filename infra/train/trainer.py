@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from infra.train.grpo import group_advantages, tis_policy_loss, token_logprobs
+from infra.train.grpo import (
+    divergence_row_weights,
+    group_advantages,
+    row_divergence,
+    tis_policy_loss,
+    token_logprobs,
+)
 
 EXCLUDED_OUTCOMES = ("infra_failure", "unknown")
 
@@ -39,13 +45,23 @@ class GRPOTrainer:
     def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
                  tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
                  max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
-                 mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean"):
+                 mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean",
+                 divergence_threshold: float | None = None, divergence_estimator: str = "k3",
+                 divergence_action: str = "drop"):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
 
         ``forward_dtype="bfloat16"`` runs forward and backward in bf16 (DeepSpeed ``bf16``), matching a
         bf16 rollout engine, while the optimizer keeps fp32 master weights. Initializes
         torch.distributed (gloo on CPU) for a single process when it is not initialized yet.
+        With ``divergence_threshold``, each row's KL estimate (``divergence_estimator``, trainer side)
+        sets its weight (``divergence_action``, see ``divergence_row_weights``); the decision per row
+        of the last step is in ``last_row_decisions``.
+
+        Raises:
+            ValueError: an unknown divergence estimator or action.
         """
+        if divergence_estimator not in ("k1", "k3") or divergence_action not in ("drop", "downweight"):
+            raise ValueError(f"divergence estimator {divergence_estimator!r} / action {divergence_action!r} unknown")
         import deepspeed
         import torch
         import torch.distributed as dist
@@ -77,6 +93,8 @@ class GRPOTrainer:
         self.tis_level, self.mask_ratio_low, self.mask_ratio_high = tis_level, mask_ratio_low, mask_ratio_high
         self.scale_by_std, self.mask_truncated = scale_by_std, mask_truncated
         self.max_seq_len = max_seq_len
+        self.divergence = (divergence_threshold, divergence_estimator, divergence_action)
+        self.last_row_decisions: list[dict] = []
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps_done = 0
 
@@ -89,7 +107,7 @@ class GRPOTrainer:
             optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
             (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
             (of loss tokens), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
-            ``missing_logprobs``, ``train_s``.
+            ``missing_logprobs``, ``rows_dropped_divergence``, ``rows_downweighted_divergence``, ``train_s``.
         """
         import torch
 
@@ -104,6 +122,7 @@ class GRPOTrainer:
                 m = np.zeros_like(m)
             masks.append(m[1:])  # position 0 is never predicted
         total_tokens = int(sum(m.sum() for m in masks))
+        self.last_row_decisions = []
         sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing"), 0.0)
         ratios = []
         loss_value = 0.0
@@ -145,6 +164,8 @@ class GRPOTrainer:
             "tis_masked_frac": sums["masked"] / max(total_tokens, 1),
             "ratio_p05": float(q05), "ratio_p50": float(q50), "ratio_p95": float(q95),
             "missing_logprobs": sums["missing"],
+            "rows_dropped_divergence": float(sum(d["decision"] == "drop" for d in self.last_row_decisions)),
+            "rows_downweighted_divergence": float(sum(d["decision"] == "downweight" for d in self.last_row_decisions)),
             "train_s": time.monotonic() - start,
         }
 
@@ -166,14 +187,31 @@ class GRPOTrainer:
             mask[b, : n - 1] = torch.from_numpy(masks[i])
             lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
             rollout[b, : n - 1] = torch.from_numpy(lp[1:])
+        row_ids = torch.arange(len(idx))[:, None].expand_as(mask)[mask.bool()]
         hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         sel = mask.bool()
         logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
         lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
         row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
-        row_ids = torch.arange(len(idx))[:, None].expand_as(mask)[sel]
+        row_weight = self._divergence_decisions(rows, idx, lp, rollout[sel], row_ids)
         return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap, level=self.tis_level,
-                               row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high)
+                               row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high,
+                               row_weight=row_weight)
+
+    def _divergence_decisions(self, rows: list[dict], idx: list[int], lp, rollout, row_ids):
+        """Per-row KL estimates of this micro-batch, recorded with the decision; the row weights (None: off)."""
+        threshold, estimator, action = self.divergence
+        k1, k3, known = row_divergence(lp, rollout, row_ids, len(idx))
+        weight = None
+        if threshold is not None:
+            weight = divergence_row_weights(k3 if estimator == "k3" else k1, threshold, action)
+        for b, i in enumerate(idx):
+            w = 1.0 if weight is None else float(weight[b])
+            self.last_row_decisions.append({
+                "episode_id": rows[i].get("episode_id", ""), "group_id": rows[i]["group_id"],
+                "kl_k1": float(k1[b]), "kl_k3": float(k3[b]), "known_tokens": int(known[b]), "weight": w,
+                "decision": "keep" if w == 1.0 else ("drop" if w == 0.0 else "downweight")})
+        return weight
 
     def save_state(self, directory: Path, tag: str) -> None:
         """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly."""
