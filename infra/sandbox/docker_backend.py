@@ -26,6 +26,7 @@ import re
 import socket
 import tarfile
 import time
+import uuid
 from pathlib import Path
 
 import docker
@@ -197,6 +198,7 @@ class DockerBackend:
         """
         mem = f"{memory_mb}m" if memory_mb else self.mem_limit
         container = None
+        start_id = uuid.uuid4().hex  # finds the container if the engine created it but the reply was lost
         try:
             # create, then start: a start that fails (engine going down) must not leak the created container
             container = self.client.containers.create(
@@ -206,12 +208,15 @@ class DockerBackend:
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777", _EXEC_DIR: "size=32m,mode=700"},
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
-                labels={LABEL: "1", OWNER_LABEL: owner_id(), **labels}, working_dir="/app",
+                labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}, working_dir="/app",
             )
             container.start()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             if container is not None:
                 DockerSandbox(container, self._leftovers).close()  # removed now, or swept once the engine is back
+            else:  # the create may have happened with its reply lost (engine going down): sweep by label
+                self._leftovers.add(f"{START_LABEL}={start_id}")
+                self.sweep_leftovers()
             raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}") from e
         box = DockerSandbox(container, self._leftovers)
         try:
@@ -245,10 +250,18 @@ class DockerBackend:
                 time.sleep(0.5)
 
     def sweep_leftovers(self) -> int:
-        """Remove containers whose ``close`` failed while the engine was unreachable; returns how many remain."""
+        """Remove containers whose ``close`` failed while the engine was unreachable; returns how many remain.
+
+        Entries are container ids, or ``agentrl.start=<id>`` labels of starts whose create call failed
+        (the engine may have created the container and lost the reply): those are looked up by label.
+        """
         for cid in list(self._leftovers):
             try:
-                self.client.api.remove_container(cid, force=True)
+                if cid.startswith(f"{START_LABEL}="):
+                    for c in self.client.containers.list(all=True, ignore_removed=True, filters={"label": cid}):
+                        c.remove(force=True)
+                else:
+                    self.client.api.remove_container(cid, force=True)
                 self._leftovers.discard(cid)
             except docker.errors.NotFound:
                 self._leftovers.discard(cid)
@@ -281,6 +294,7 @@ class DockerBackend:
 
 
 OWNER_LABEL = "agentrl.owner"
+START_LABEL = "agentrl.start"
 
 
 def owner_id() -> str:
