@@ -138,8 +138,7 @@ def real(batch: int, group_size: int, replicas: int, steps: int, train_s: float,
             continue
         (ctx / "Dockerfile").write_text(f"FROM {e.image}\nCOPY latency.sh /etc/agentrl-latency.sh\n"
                                         "ENV BASH_ENV=/etc/agentrl-latency.sh\n")
-        tag = f"{e.image.split(':')[0]}-latency:bench"
-        backend.build_image(tag, ctx, "Dockerfile")
+        tag, _, _ = backend.build_image(f"{e.task_id}-latency", ctx, "Dockerfile")
         images[e.task_id] = (tag, backend.image_digest(tag))
     ordered = sorted(images)
     n_groups = batch // group_size

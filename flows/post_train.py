@@ -36,7 +36,10 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     Summary keys: step, time_to_batch_s, reward_mean, outcomes, infra_reasons (reason code -> count),
     retried, sandbox_warm, sandbox_acquire_p50_s, policy_lag_max, the mismatch and
     importance-sampling metrics (logprob_abs_diff, kl_k1, kl_k3, ratio_p05/p95, tis_capped_frac,
-    tis_masked_frac), rows_with_signal, checkpoint, eval_pass_at_1, and per-stage seconds.
+    tis_masked_frac), rows_with_signal, checkpoint, eval_pass_at_1, per-stage seconds, rows
+    dropped/down-weighted for divergence, and with the async collector: episode_s_p50/p90/max,
+    straggler_tail_s, engine_idle_s, generation_tokens_per_s, groups_carried_in, groups_dropped,
+    policy_lag_hist (lag in versions -> groups).
     """
     catalog_uri = build_envs(config)
     materialize_task_images(config, catalog_uri)
@@ -78,7 +81,16 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "eval_pass_at_1": report["pass_at_1"] if report else None,
             "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
             "publish_s": round(t4 - t3, 2), "eval_s": round(t5 - t4, 2),
+            "rows_dropped_divergence": metrics["rows_dropped_divergence"],
+            "rows_downweighted_divergence": metrics["rows_downweighted_divergence"],
         }
+        sched = rollouts.get("scheduling") or {}
+        for key in ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler_tail_s", "engine_idle_s",
+                    "generation_tokens_per_s", "groups_carried_in", "groups_dropped"):
+            if key in sched:
+                summary[key] = round(sched[key], 3)
+        summary["policy_lag_hist"] = {int(k.rsplit("_", 1)[1]): v for k, v in sched.items()
+                                      if k.startswith("lag_hist_")}
         summaries.append(summary)
         print(format_summary(summary))
         create_table_artifact(key=artifact_key(config.run_id, "steps"), table=[{k: str(v) for k, v in x.items()}
@@ -100,6 +112,12 @@ def format_summary(s: dict) -> str:
             f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
             f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
             f"checkpoint={s['checkpoint']} eval_pass@1={pass1} "
+            + (f"episode_s p50/p90/max={s['episode_s_p50']:.1f}/{s['episode_s_p90']:.1f}/{s['episode_s_max']:.1f} "
+               f"straggler_tail={s['straggler_tail_s']:.1f}s engine_idle={s['engine_idle_s']:.1f}s "
+               f"gen_tok/s={s['generation_tokens_per_s']:.0f} carried_in={s['groups_carried_in']:.0f} "
+               f"lag_hist={s['policy_lag_hist']} " if "episode_s_p50" in s else "")
+            + f"divergence drop/down={s.get('rows_dropped_divergence', 0):.0f}/"
+            f"{s.get('rows_downweighted_divergence', 0):.0f} "
             f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "
             f"publish+load {s['publish_s']} eval {s['eval_s']})")
 

@@ -76,6 +76,24 @@ class RolloutConfig(_Strict):
     """Base seed; episode seeds derive from (seed, step, group, sample)."""
     max_infra_retries: int = Field(1, ge=0, le=10)
     """Times an episode that ended in infra_failure is retried."""
+    scheduler: Literal["async", "sync"] = "async"
+    """``async``: every episode runs on its own (infra.rollout.scheduler: ready bank, over-provisioning,
+    deadlines, infra policy); ``sync``: one turn-synchronous batch of exactly the chosen groups."""
+    overprovision: float = Field(1.0, ge=1.0, le=8.0)
+    """Async: groups kept in flight per group a batch needs; complete surplus groups carry to the next step."""
+    prefetch: bool = False
+    """Async: keep collecting between batches (while the trainer trains)."""
+    max_policy_lag: int = Field(1, ge=0, le=1000)
+    """Async: a group whose oldest token is more policy versions old than this is dropped, never trained."""
+    episode_deadline_s: float = Field(900.0, gt=0)
+    """Async: wall-clock limit per attempt; past it the attempt is infra_failure/episode_deadline."""
+    infra_policy: Literal["retry", "drop"] = "retry"
+    """Async: a member ending in infra_failure is retried (up to max_infra_retries) or its group dropped."""
+    update_policy: Literal["finish", "pause", "abort"] = "pause"
+    """Async: episodes in flight at a weight update finish on the old weights, pause and continue on
+    the new ones (per-token versions record it), or are aborted and relaunched."""
+    max_concurrent_episodes: int = Field(16, ge=1, le=4096)
+    """Async: episodes running at once (worker threads); the engine batches their requests."""
     warm_pool: bool = True
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)

@@ -56,7 +56,7 @@ def hot_load(config: RunConfig, uri: str) -> dict:
         shutil.rmtree(local, ignore_errors=True)
         get_run_logger().warning("refused checkpoint %s, still serving v%d: %s", uri, rt.policy_version, e)
         return {"version": rt.policy_version, "pause_s": 0.0, "refused": str(e)}
-    pause_s = rt.engine.load_weights(str(local), manifest["version"])
+    pause_s = rt.load_weights(str(local), manifest["version"])
     rt.policy_dir, rt.policy_version = str(local), manifest["version"]
     return {"version": manifest["version"], "pause_s": pause_s, "refused": ""}
 

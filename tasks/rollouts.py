@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import Counter
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -18,7 +20,14 @@ from tasks.runtime import runtime
 
 @task(name="collect_rollouts", cache_policy=NO_CACHE)
 def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int) -> dict:
-    """Run G attempts per chosen task and write ``trajectories/step-N.parquet``.
+    """Collect a batch of ``len(task_ids)`` complete groups and write ``trajectories/step-N.parquet``.
+
+    ``rollout.scheduler="async"`` (default): the run's :class:`~infra.rollout.scheduler.AsyncCollector`
+    keeps up to ``ceil(tasks_per_step * overprovision)`` groups in flight; the chosen tasks (then, to
+    fill that bound, extra groups of the same tasks) are submitted, and the first complete eligible
+    groups form the batch, whatever step launched them. Groups dropped meanwhile (stale, or infra
+    policy) are written to ``dropped/step-N.parquet``, never trained on. ``sync``: one
+    turn-synchronous batch of exactly the chosen groups.
 
     Run as a materializing task (the flow gives it the trajectory asset and the image assets as
     dependencies). Rewriting a step replaces its file, so a re-run never duplicates rows.
@@ -26,24 +35,34 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     Returns:
         ``{"uri", "rows", "time_to_batch_s", "outcomes": {outcome: count}, "reward_mean", "bytes",
         "min_policy_version", "infra_reasons": {reason code: count}, "retried" (rows that are retries),
-        "sandbox_warm" (rows whose sandbox came from the warm pool), "sandbox_acquire_p50_s"}``.
+        "sandbox_warm" (rows whose sandbox came from the warm pool), "sandbox_acquire_p50_s",
+        "scheduling": the scheduler's batch metrics (async; see ``AsyncCollector.next_batch``) plus
+        ``generation_tokens_per_s`` (while the engine generated), ``engine_idle_s`` (batch wall time
+        the engine was not generating), ``groups_dropped``, ``groups_submitted``}``.
     """
     rt = runtime(config)
     catalog = rt.load_catalog(catalog_uri)
     images = {e["task_id"]: (e["image"], e["image_digest"]) for e in catalog["tasks"] if e["usable"]}
     r = config.rollout
-    settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
-                               r.seed, r.max_infra_retries)
-    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
     progress = create_progress_artifact(0.0, description=f"step {step}: rollouts finished")
     start = time.monotonic()
 
     def on_progress(done: int, total: int) -> None:
         update_progress_artifact(progress, 100.0 * done / max(total, 1))
 
-    rows = collector.collect(config.run_id, step, [rt.tasks[t] for t in task_ids], images, on_progress)
+    dropped_rows: list[dict] = []
+    scheduling: dict = {}
+    if r.scheduler == "sync":
+        settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
+                                   r.seed, r.max_infra_retries)
+        collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
+        rows = collector.collect(config.run_id, step, [rt.tasks[t] for t in task_ids], images, on_progress)
+    else:
+        rows, dropped_rows, scheduling = _collect_async(rt, config, images, task_ids, step, on_progress)
     uri = step_uri(config.storage.bucket, config.storage.prefix, config.run_id, step)
     size = write_step(rt.fs, uri, rows)
+    if dropped_rows:
+        write_step(rt.fs, uri.replace("/trajectories/", "/dropped/"), dropped_rows)
     elapsed = time.monotonic() - start
     update_progress_artifact(progress, 100.0)
     outcomes: dict[str, int] = {}
@@ -54,10 +73,46 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
             infra_reasons[row["reason"]] = infra_reasons.get(row["reason"], 0) + 1
     acquire = sorted(row["sandbox_acquire_s"] for row in rows if row["sandbox_id"])
     versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
-    add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size})
-    return {"uri": uri, "rows": len(rows), "time_to_batch_s": elapsed, "outcomes": outcomes,
+    add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size,
+                             "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
+    return {"uri": uri, "rows": len(rows), "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed),
+            "outcomes": outcomes,
             "reward_mean": sum(row["reward"] for row in rows) / max(len(rows), 1), "bytes": size,
             "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1),
             "infra_reasons": infra_reasons, "retried": sum(row["attempt"] > 0 for row in rows),
             "sandbox_warm": sum(row["sandbox_warm"] for row in rows),
-            "sandbox_acquire_p50_s": acquire[len(acquire) // 2] if acquire else 0.0}
+            "sandbox_acquire_p50_s": acquire[len(acquire) // 2] if acquire else 0.0, "scheduling": scheduling}
+
+
+def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], step: int,
+                   on_progress) -> tuple[list[dict], list[dict], dict]:
+    """Submit this step's groups to the run's asynchronous collector and take one batch from it."""
+    r = config.rollout
+    sched = rt.scheduler
+    sched.runner.bind(config.run_id, step, images)
+    backlog = sched.pending + sched.in_flight + len(sched.bank)
+    room = max(0, sched.K - backlog)
+    chosen = [(f"{config.run_id}/{step}/{t}", rt.tasks[t]) for t in task_ids]
+    extra = [(f"{config.run_id}/{step}/{t}/x{k}", rt.tasks[t])
+             for k, t in zip(range(max(0, room - len(chosen))), itertools.cycle(task_ids), strict=False)]
+    groups = (chosen + extra)[:room]
+    if rt.sandbox_pool is not None:  # declare this step's sandbox demand per image
+        demand: Counter = Counter()
+        for _, task in groups:
+            if task.kind == "terminal":
+                demand[(images[task.task_id][0], task.cpus, task.memory_mb, task.allow_internet, task.disk_mb)] += 1
+        for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
+            rt.sandbox_pool.ensure(image, n * r.group_size, cpus=cpus, memory_mb=memory_mb, network=network,
+                                   disk_mb=disk_mb)
+    engine = rt.engine
+    tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
+    sched.submit(groups)
+    batch = sched.next_batch(len(task_ids), on_progress=on_progress)
+    wall, busy = time.monotonic() - t0, engine.busy_s - busy0
+    dropped = [row for g in batch.dropped for row in g.rows]
+    metrics = dict(batch.metrics)
+    metrics["generation_tokens_per_s"] = (engine.generated_tokens - tokens0) / max(busy, 1e-9)
+    metrics["engine_idle_s"] = max(0.0, wall - busy)  # waiting on environments (sandboxes, verifiers)
+    metrics["groups_dropped"] = len(batch.dropped)
+    metrics["groups_submitted"] = len(groups)
+    return batch.rows, dropped, metrics

@@ -51,6 +51,7 @@ class Runtime:
     _sandbox_pool: object = None
     _engine: object = None
     _trainer: object = None
+    _scheduler: object = None
 
     @property
     def backend(self):
@@ -102,6 +103,36 @@ class Runtime:
                                         divergence_estimator=t.divergence_estimator,
                                         divergence_action=t.divergence_action)
         return self._trainer
+
+    @property
+    def scheduler(self):
+        """The asynchronous collector (one per run in this process; groups carry across steps in it)."""
+        if self._scheduler is None:
+            import math
+
+            from infra.environments import BASE_IMAGE
+            from infra.rollout.collector import Collector, CollectSettings
+            from infra.rollout.scheduler import AsyncCollector
+
+            r = self.config.rollout
+            settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
+                                       r.seed, r.max_infra_retries)
+            runner = Collector(self.engine, self.backend, settings, code_image=BASE_IMAGE, pool=self.sandbox_pool)
+            self._scheduler = AsyncCollector(
+                runner, group_size=r.group_size, max_groups_in_flight=math.ceil(r.tasks_per_step * r.overprovision),
+                max_concurrent_episodes=r.max_concurrent_episodes, max_policy_lag=r.max_policy_lag,
+                episode_deadline_s=r.episode_deadline_s, infra_policy=r.infra_policy,
+                max_infra_retries=r.max_infra_retries, update_policy=r.update_policy, prefetch=r.prefetch,
+                policy_version=self.policy_version, seed=r.seed)
+        return self._scheduler
+
+    def load_weights(self, hf_dir: str, version: int) -> float:
+        """Load new weights into the engine (through the async collector's update policy when it runs)."""
+        if self._scheduler is None:
+            return self.engine.load_weights(hf_dir, version)
+        pause: list[float] = []
+        self._scheduler.update_weights(lambda: pause.append(self.engine.load_weights(hf_dir, version)), version)
+        return pause[0]
 
     def load_catalog(self, catalog_uri: str) -> dict:
         """Read ``envs.json`` (once) and load the task objects it names."""

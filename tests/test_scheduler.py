@@ -71,11 +71,13 @@ def test_group_launched_first_finishing_last_does_not_block_the_batch():
 def test_launch_order_baseline_waits_for_the_first_group():
     c, _ = _collector(in_launch_order=True, prefetch=False, max_groups_in_flight=2)
     try:
-        c.submit([("slow", {"seconds": 0.6}), ("a", {"seconds": 0.05}), ("b", {"seconds": 0.05})])
+        c.submit([("slow", {"seconds": 0.6}), ("a", {"seconds": 0.05})])
         batch = c.next_batch(2, timeout_s=10)
         assert [g.group_id for g in batch.groups] == ["slow", "a"]
         assert batch.metrics["time_to_batch_s"] >= 0.55
-        assert c.in_flight == 0 and c.pending == 1  # no prefetch: "b" was never launched
+        c.submit([("b", {"seconds": 0.05})])
+        time.sleep(0.2)
+        assert c.in_flight == 0 and c.pending == 1  # no prefetch: nothing launches between batches
     finally:
         c.close()
 

