@@ -86,7 +86,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         }
         sched = rollouts.get("scheduling") or {}
         for key in ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler_tail_s", "engine_idle_s",
-                    "generation_tokens_per_s", "groups_carried_in", "groups_dropped"):
+                    "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in", "groups_dropped"):
             if key in sched:
                 summary[key] = round(sched[key], 3)
         summary["policy_lag_hist"] = {int(k.rsplit("_", 1)[1]): v for k, v in sched.items()
@@ -114,7 +114,8 @@ def format_summary(s: dict) -> str:
             f"checkpoint={s['checkpoint']} eval_pass@1={pass1} "
             + (f"episode_s p50/p90/max={s['episode_s_p50']:.1f}/{s['episode_s_p90']:.1f}/{s['episode_s_max']:.1f} "
                f"straggler_tail={s['straggler_tail_s']:.1f}s engine_idle={s['engine_idle_s']:.1f}s "
-               f"gen_tok/s={s['generation_tokens_per_s']:.0f} carried_in={s['groups_carried_in']:.0f} "
+               f"gen_tok/s={s['generation_tokens_per_s']:.0f} prefix_hit={s['prefix_cache_hit_rate']:.2f} "
+               f"carried_in={s['groups_carried_in']:.0f} "
                f"lag_hist={s['policy_lag_hist']} " if "episode_s_p50" in s else "")
             + f"divergence drop/down={s.get('rows_dropped_divergence', 0):.0f}/"
             f"{s.get('rows_downweighted_divergence', 0):.0f} "

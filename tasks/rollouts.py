@@ -38,7 +38,8 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
         "sandbox_warm" (rows whose sandbox came from the warm pool), "sandbox_acquire_p50_s",
         "scheduling": the scheduler's batch metrics (async; see ``AsyncCollector.next_batch``) plus
         ``generation_tokens_per_s`` (while the engine generated), ``engine_idle_s`` (batch wall time
-        the engine was not generating), ``groups_dropped``, ``groups_submitted``}``.
+        the engine was not generating), ``prefix_cache_hit_rate`` (cached prompt tokens / prompt
+        tokens looked up), ``groups_dropped``, ``groups_submitted``}``.
     """
     rt = runtime(config)
     catalog = rt.load_catalog(catalog_uri)
@@ -98,14 +99,15 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
     groups = (chosen + extra)[:room]
     if rt.sandbox_pool is not None:  # declare this step's sandbox demand per image
         demand: Counter = Counter()
-        for _, task in groups:
-            if task.kind == "terminal":
-                demand[(images[task.task_id][0], task.cpus, task.memory_mb, task.allow_internet, task.disk_mb)] += 1
+        for _, task in groups:  # code tasks are verified in the base image, which the catalog lists for them
+            image = images.get(task.task_id, (BASE_IMAGE, ""))[0]
+            demand[(image, task.cpus, task.memory_mb, task.allow_internet, task.disk_mb)] += 1
         for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
             rt.sandbox_pool.ensure(image, n * r.group_size, cpus=cpus, memory_mb=memory_mb, network=network,
                                    disk_mb=disk_mb)
     engine = rt.engine
     tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
+    cache0 = engine.prefix_cache()
     sched.submit(groups)
     batch = sched.next_batch(len(task_ids), on_progress=on_progress)
     wall, busy = time.monotonic() - t0, engine.busy_s - busy0
@@ -113,6 +115,9 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
     metrics = dict(batch.metrics)
     metrics["generation_tokens_per_s"] = (engine.generated_tokens - tokens0) / max(busy, 1e-9)
     metrics["engine_idle_s"] = max(0.0, wall - busy)  # waiting on environments (sandboxes, verifiers)
+    cache = engine.prefix_cache()
+    queries = cache["queries"] - cache0["queries"]
+    metrics["prefix_cache_hit_rate"] = (cache["hits"] - cache0["hits"]) / queries if queries else 0.0
     metrics["groups_dropped"] = len(batch.dropped)
     metrics["groups_submitted"] = len(groups)
     return batch.rows, dropped, metrics

@@ -74,7 +74,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                       disable_log_stats=False)  # keeps the Prometheus counters (prefix-cache hits)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = dtype
         self.model_dir = model_dir
@@ -166,6 +167,15 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
+
+    def prefix_cache(self) -> dict[str, float]:
+        """Prefix-cache ``queries`` and ``hits`` in tokens so far (vLLM's Prometheus counters)."""
+        total = {"queries": 0.0, "hits": 0.0}
+        for m in self.llm.get_metrics():
+            for key in total:
+                if m.name == f"vllm:prefix_cache_{key}":
+                    total[key] += float(getattr(m, "value", 0.0))
+        return total
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""

@@ -116,7 +116,8 @@ class DockerBackend:
             SandboxInfraError: reason ``engine_unreachable`` when the engine does not answer.
         """
         try:
-            self.client = client or docker.from_env(timeout=120)
+            # one connection per concurrent episode: the default pool of 10 drops connections under load
+            self.client = client or docker.from_env(timeout=120, max_pool_size=64)
             self.client.ping()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             raise SandboxInfraError("engine_unreachable", f"Docker engine not reachable: {e}") from e
