@@ -93,7 +93,8 @@ def fleet(model: FleetModel, batch: int, group_size: int, replicas: int, slots: 
         in_flight = math.ceil(n_groups * overprovision) if opt else n_groups
         collector = AsyncCollector(
             runner, group_size=group_size, max_groups_in_flight=in_flight,
-            max_concurrent_episodes=batch * 2, max_policy_lag=1, episode_deadline_s=80 * model.command_timeout_s,
+            # an episode runs once it has a sandbox: the worker queue (FIFO, launch order) holds the rest
+            max_concurrent_episodes=slots, max_policy_lag=1, episode_deadline_s=1e9,
             in_launch_order=not opt, prefetch=opt, seed=seed, clock=lambda: time.monotonic() / time_scale)
 
         def reload(version: int, runner=runner) -> None:

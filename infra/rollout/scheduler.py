@@ -51,7 +51,8 @@ class EpisodeJob:
     """One attempt of one group member, as handed to the runner.
 
     ``cancel`` is set when the scheduler gives up on the attempt (deadline, ``abort`` update, group
-    dropped); runners check it between turns and return early. ``launched_s`` is monotonic time.
+    dropped); runners check it between turns and return early. ``queued_s``: when it was submitted to
+    the workers; ``launched_s``: when a worker started it (0 while queued); both on the collector's clock.
     """
 
     group_id: str
@@ -61,6 +62,7 @@ class EpisodeJob:
     seed: int
     launch_index: int
     cancel: threading.Event = field(default_factory=threading.Event)
+    queued_s: float = 0.0
     launched_s: float = 0.0
 
 
@@ -381,11 +383,16 @@ class AsyncCollector:
 
     def _start(self, g: Group, sample_index: int, attempt: int) -> None:
         seed = (self.seed * 1_000_003 + g.launch_index * 101 + sample_index * 7 + attempt * 7919) % (2**31)
-        job = EpisodeJob(g.group_id, g.task, sample_index, attempt, seed, g.launch_index, launched_s=self.clock())
+        if self._closed:
+            return
+        job = EpisodeJob(g.group_id, g.task, sample_index, attempt, seed, g.launch_index, queued_s=self.clock())
         self._running[id(job)] = job
         self._pool.submit(self._work, job)
 
     def _work(self, job: EpisodeJob) -> None:
+        job.launched_s = self.clock()  # the deadline runs from here, not from the queue
+        if job.cancel.is_set():
+            return
         try:
             row = self.runner.run(job)
         except Exception:  # noqa: BLE001 - a runner bug is recorded as an infra failure of this attempt
@@ -396,8 +403,10 @@ class AsyncCollector:
     def _next_wakeup(self) -> float:
         if not self._running:
             return 0.1
-        oldest = min(j.launched_s for j in self._running.values())
-        return max(0.0, min(0.5, oldest + self.deadline_s - self.clock()))
+        started = [j.launched_s for j in self._running.values() if j.launched_s]
+        if not started:
+            return 0.5
+        return max(0.0, min(0.5, min(started) + self.deadline_s - self.clock()))
 
     def _pump_events(self) -> None:
         """Scheduler thread: turns finished attempts and deadlines into group state, launches more."""
@@ -421,9 +430,10 @@ class AsyncCollector:
             if self._running.pop(id(job), None) is not None:  # ignore late results of cancelled attempts
                 row.setdefault("finished_s", finished_s)
                 row["episode_s"] = finished_s - job.launched_s
+                row["episode_queue_s"] = job.launched_s - job.queued_s
                 self._finished(job, row)
         now = self.clock()
-        for job in [j for j in self._running.values() if now - j.launched_s > self.deadline_s]:
+        for job in [j for j in self._running.values() if j.launched_s and now - j.launched_s > self.deadline_s]:
             job.cancel.set()
             self._running.pop(id(job), None)
             self.counters["deadline_cancels"] += 1
