@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
 from infra.rollout.collector import Collector, CollectSettings
-from infra.store import step_uri, write_step
+from infra.store import TRAJECTORY_SCHEMA, step_uri, write_step
 from tasks.runtime import runtime
 
 
@@ -120,4 +120,9 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
     metrics["prefix_cache_hit_rate"] = (cache["hits"] - cache0["hits"]) / queries if queries else 0.0
     metrics["groups_dropped"] = len(batch.dropped)
     metrics["groups_submitted"] = len(groups)
-    return batch.rows, dropped, metrics
+    columns = set(TRAJECTORY_SCHEMA.names)  # the scheduler's own bookkeeping (finished_s, episode_s) stays out
+
+    def stored(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in row.items() if k in columns} for row in rows]
+
+    return stored(batch.rows), stored(dropped), metrics

@@ -152,9 +152,13 @@ def test_retries_exhausted_drop_the_group():
     c, _ = _collector(infra_policy="retry", max_infra_retries=1)
     try:
         c.submit([("bad", {"seconds": 0.02, "fail": [(0, 0), (0, 1)]})])
-        with pytest.raises(RuntimeError, match="impossible"):
+        with pytest.raises(RuntimeError, match="impossible.*bad: infra_failure:container_vanished"):
             c.next_batch(1, timeout_s=10)
         assert c.counters["dropped_infra"] == 1 and c.counters["infra_retries"] == 1
+        c.submit([("bad2", {"seconds": 0.02, "fail": [(0, 0), (0, 1)]}), ("ok", {"seconds": 0.02})])
+        short = c.next_batch(2, timeout_s=10)  # one group can never come: the batch is short, not failed
+        assert [g.group_id for g in short.groups] == ["ok"] and short.metrics["short_batches"] == 1
+        assert [g.group_id for g in short.dropped] == ["bad", "bad2"]  # dropped groups are reported once, with rows
     finally:
         c.close()
 

@@ -277,9 +277,13 @@ class AsyncCollector:
         ``on_progress(ready, n)`` is called (without the scheduler's lock) when the count of ready
         groups changes.
 
+        When every submitted group has finished or been dropped and fewer than ``n_groups`` are
+        eligible, the batch is short (logged, counted in ``short_batches``) rather than failed.
+
         Raises:
             TimeoutError: not enough groups within ``timeout_s`` (nothing is lost: groups stay banked).
-            RuntimeError: nothing is pending or in flight and the bank cannot fill the batch.
+            RuntimeError: nothing is pending or in flight and no group is eligible (the message lists
+                the dropped groups and their attempts' reasons).
         """
         start = self.clock()
         with self._changed:
@@ -296,15 +300,23 @@ class AsyncCollector:
                         on_progress(ready, n_groups)
                     finally:
                         self._changed.acquire()
-                if not self._groups and not self._pending:
-                    self._wanted = 0
-                    raise RuntimeError(f"batch of {n_groups} groups impossible: {ready} eligible, nothing pending "
-                                       f"or in flight")
+                if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
+                    why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
+                                    for g in self._dropped) or "none dropped"
+                    if ready == 0:
+                        self._wanted = 0
+                        raise RuntimeError(f"batch of {n_groups} groups impossible: none eligible, nothing pending "
+                                           f"or in flight; dropped groups: {why}")
+                    log.warning("short batch: %d of %d groups (nothing pending or in flight); dropped: %s",
+                                ready, n_groups, why)
+                    self.counters["short_batches"] += 1
+                    break
                 if timeout_s is not None and self.clock() - start > timeout_s:
                     self._wanted = 0
                     raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
                 self._changed.wait(timeout=0.5)
-            groups = self.bank.take(n_groups, self.policy_version, self.in_launch_order)
+            groups = self.bank.take(min(n_groups, self.bank.eligible(self.policy_version)), self.policy_version,
+                                    self.in_launch_order)
             end = self.clock()
             self._wanted = 0
             self._launch()
@@ -485,7 +497,7 @@ class AsyncCollector:
              "groups_carried_in": carried_in, "groups_in_bank": len(self.bank),
              "dropped_stale": len(self.bank.dropped_stale), "dropped_infra": self.counters["dropped_infra"],
              "deadline_cancels": self.counters["deadline_cancels"], "infra_retries": self.counters["infra_retries"],
-             "aborted_for_update": self.counters["aborted_for_update"]}
+             "aborted_for_update": self.counters["aborted_for_update"], "short_batches": self.counters["short_batches"]}
         for lag, n in sorted(lags.items()):
             m[f"lag_hist_{lag}"] = n
         return m
