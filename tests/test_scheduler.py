@@ -202,3 +202,57 @@ def test_bad_settings_are_refused():
                        update_policy="later")
     with pytest.raises(ValueError, match="max_policy_lag"):
         ReadyBank(-1)
+
+
+def test_a_slow_progress_callback_does_not_turn_a_ready_group_into_a_failed_batch():
+    c, _ = _collector(max_groups_in_flight=1)
+    try:
+        c.submit([("g", {"seconds": 0.05})])
+        batch = c.next_batch(1, timeout_s=5, on_progress=lambda ready, n: time.sleep(0.3))  # an API round trip
+        assert [g.group_id for g in batch.groups] == ["g"] and batch.metrics["short_batches"] == 0
+    finally:
+        c.close()
+
+
+def test_results_that_arrive_during_a_reload_are_not_deadline_victims():
+    c, _ = _collector(update_policy="pause", episode_deadline_s=0.3, infra_policy="drop")
+    try:
+        c.submit([("g", {"seconds": 0.1})])
+        time.sleep(0.02)
+        c.update_weights(lambda: time.sleep(0.5), 1)  # a slow reload while both siblings finish
+        batch = c.next_batch(1, timeout_s=5)
+        assert [(r["outcome"], r["attempt"]) for r in batch.rows] == [("success", 0), ("success", 0)]
+        assert batch.metrics["deadline_cancels"] == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("policy", ["abort", "finish", "pause"])
+def test_a_failed_reload_leaves_the_collector_working(policy):
+    c, _ = _collector(update_policy=policy, max_groups_in_flight=1)
+    try:
+        c.submit([("g", {"seconds": 0.4}), ("h", {"seconds": 0.05})])
+        time.sleep(0.1)
+
+        def boom():
+            raise OSError("reload failed")
+
+        with pytest.raises(OSError):
+            c.update_weights(boom, 1)
+        assert c.policy_version == 0  # not applied
+        batch = c.next_batch(2, timeout_s=5)
+        assert sorted(g.group_id for g in batch.groups) == ["g", "h"]
+    finally:
+        c.close()
+
+
+def test_drop_counts_are_per_batch():
+    c, _ = _collector(infra_policy="drop", max_groups_in_flight=2)
+    try:
+        c.submit([("bad", {"seconds": 0.02, "fail": [(0, 0)]}), ("ok", {"seconds": 0.05})])
+        first = c.next_batch(1, timeout_s=5)
+        c.submit([("ok2", {"seconds": 0.05})])
+        second = c.next_batch(1, timeout_s=5)
+        assert (first.metrics["dropped_infra"], second.metrics["dropped_infra"]) == (1, 0)
+    finally:
+        c.close()

@@ -287,6 +287,7 @@ class AsyncCollector:
         """
         start = self.clock()
         with self._changed:
+            counters0 = Counter(self.counters)
             self.bank.expire(self.policy_version)
             carried_in = self.bank.eligible(self.policy_version)
             self._wanted = n_groups
@@ -300,6 +301,7 @@ class AsyncCollector:
                         on_progress(ready, n_groups)
                     finally:
                         self._changed.acquire()
+                    continue  # the state may have changed while the callback ran: look again
                 if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
                     why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
                                     for g in self._dropped) or "none dropped"
@@ -320,10 +322,13 @@ class AsyncCollector:
             end = self.clock()
             self._wanted = 0
             self._launch()
-            dropped = self._dropped + self.bank.dropped_stale[self._stale_seen:]
-            self._dropped, self._stale_seen = [], len(self.bank.dropped_stale)
+            stale = self.bank.dropped_stale
+            dropped = self._dropped + stale
+            self._dropped, self.bank.dropped_stale = [], []
+            self.counters["dropped_stale"] += len(stale)
             rows = [r for g in groups for r in g.rows]
-            return BatchResult(groups, rows, dropped, self._metrics(groups, start, end, min(carried_in, n_groups)))
+            return BatchResult(groups, rows, dropped,
+                               self._metrics(groups, start, end, min(carried_in, n_groups), counters0))
 
     def update_weights(self, apply: Callable[[], Any], version: int) -> float:
         """Change the policy version, applying ``apply()`` (which loads the weights) per ``update_policy``.
@@ -333,32 +338,30 @@ class AsyncCollector:
         """
         start = self.clock()
         with self._changed:
-            if self.update_policy == "finish":
-                self._launching = False
-                while self._running:
-                    self._changed.wait(timeout=0.5)
-                apply()
+            aborted: list[EpisodeJob] = []
+            try:
+                if self.update_policy == "finish":
+                    self._launching = False
+                    while self._running:
+                        self._changed.wait(timeout=0.5)
+                elif self.update_policy == "abort":
+                    self._launching = False
+                    aborted = [j for j in self._running.values() if j.launched_s]  # queued ones just wait
+                    for job in aborted:
+                        job.cancel.set()
+                        self._running.pop(id(job), None)
+                    self.counters["aborted_for_update"] += len(aborted)
+                self._drain_events()  # results that arrived meanwhile are not deadline victims
+                apply()  # raises: the version stays, launching resumes, aborted attempts are relaunched
                 self.policy_version = version
+            finally:
                 self._launching = True
-            elif self.update_policy == "abort":
-                self._launching = False
-                aborted = list(self._running.values())
-                for job in aborted:
-                    job.cancel.set()
-                    self._running.pop(id(job), None)
-                apply()
-                self.policy_version = version
-                self._launching = True
-                self.counters["aborted_for_update"] += len(aborted)
                 for job in aborted:
                     if job.group_id in self._groups:
                         self._start(self._groups[job.group_id], job.sample_index, job.attempt)
-            else:
-                apply()
-                self.policy_version = version
-            self.bank.expire(self.policy_version)
-            self._launch()
-            self._changed.notify_all()
+                self.bank.expire(self.policy_version)
+                self._launch()
+                self._changed.notify_all()
         return self.clock() - start
 
     def drain(self, timeout_s: float = 60.0) -> None:
@@ -431,28 +434,54 @@ class AsyncCollector:
                 event = None
             with self._changed:
                 try:
-                    self._step(event)
-                except Exception:  # noqa: BLE001 - the pump must survive a bad row; the attempt is lost, logged
-                    log.exception("scheduler: processing %s failed", event)
+                    if event is not None:
+                        self._event(event)
+                    self._drain_events()
+                    self._check_deadlines()
+                    self._launch()
+                except Exception:  # noqa: BLE001 - the pump must outlive any one bad event
+                    log.exception("scheduler: pump iteration failed")
                 self._changed.notify_all()
 
-    def _step(self, event: tuple | None) -> None:
-        if event is not None:
-            job, row, finished_s = event
-            if self._running.pop(id(job), None) is not None:  # ignore late results of cancelled attempts
-                row.setdefault("finished_s", finished_s)
-                row["episode_s"] = finished_s - job.launched_s
-                row["episode_queue_s"] = job.launched_s - job.queued_s
-                self._finished(job, row)
+    def _drain_events(self) -> None:
+        """Process every result already queued (before any deadline is judged)."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            self._event(event)
+
+    def _event(self, event: tuple) -> None:
+        job, row, finished_s = event
+        if self._running.pop(id(job), None) is None:  # a late result of a cancelled attempt
+            return
+        try:
+            row.setdefault("finished_s", finished_s)
+            row["episode_s"] = finished_s - job.launched_s
+            row["episode_queue_s"] = job.launched_s - job.queued_s
+            self._finished(job, row)
+        except Exception:  # noqa: BLE001 - a bad row must not leave its group waiting forever
+            log.exception("scheduler: processing a result of %s failed; dropping the group", job.group_id)
+            g = self._groups.get(job.group_id)
+            if g is not None:
+                self._drop(g, "infra_failure:harness_error")
+
+    def _check_deadlines(self) -> None:
         now = self.clock()
         for job in [j for j in self._running.values() if j.launched_s and now - j.launched_s > self.deadline_s]:
             job.cancel.set()
             self._running.pop(id(job), None)
             self.counters["deadline_cancels"] += 1
-            row = self.runner.failed_row(job, "episode_deadline")
-            row["finished_s"], row["episode_s"] = now, now - job.launched_s
-            self._finished(job, row)
-        self._launch()
+            try:
+                row = self.runner.failed_row(job, "episode_deadline")
+                row["finished_s"], row["episode_s"] = now, now - job.launched_s
+                self._finished(job, row)
+            except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
+                log.exception("scheduler: deadline of %s could not be recorded; dropping the group", job.group_id)
+                g = self._groups.get(job.group_id)
+                if g is not None:
+                    self._drop(g, "infra_failure:harness_error")
 
     def _finished(self, job: EpisodeJob, row: dict) -> None:
         g = self._groups.get(job.group_id)
@@ -481,7 +510,8 @@ class AsyncCollector:
             job.cancel.set()
             self._running.pop(id(job), None)
 
-    def _metrics(self, groups: list[Group], start: float, end: float, carried_in: int) -> dict[str, float]:
+    def _metrics(self, groups: list[Group], start: float, end: float, carried_in: int,
+                 counters0: Counter) -> dict[str, float]:
         rows = [r for g in groups for r in g.final_rows()]
         episode_s = sorted(r["episode_s"] for r in rows)
         done = sorted(max(r["finished_s"], start) for r in rows)
@@ -494,10 +524,10 @@ class AsyncCollector:
         m = {"time_to_batch_s": end - start, "episode_s_p50": q(0.5), "episode_s_p90": q(0.9),
              "episode_s_max": episode_s[-1] if episode_s else 0.0,
              "straggler_tail_s": (done[-1] - at90) if done else 0.0,
-             "groups_carried_in": carried_in, "groups_in_bank": len(self.bank),
-             "dropped_stale": len(self.bank.dropped_stale), "dropped_infra": self.counters["dropped_infra"],
-             "deadline_cancels": self.counters["deadline_cancels"], "infra_retries": self.counters["infra_retries"],
-             "aborted_for_update": self.counters["aborted_for_update"], "short_batches": self.counters["short_batches"]}
+             "groups_carried_in": carried_in, "groups_in_bank": len(self.bank)}
+        for key in ("dropped_stale", "dropped_infra", "deadline_cancels", "infra_retries", "aborted_for_update",
+                    "short_batches"):  # since the previous batch
+            m[key] = self.counters[key] - counters0[key]
         for lag, n in sorted(lags.items()):
             m[f"lag_hist_{lag}"] = n
         return m

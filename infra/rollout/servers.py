@@ -170,10 +170,16 @@ class ServerEngine:
             EngineUnavailable: a request's replica was unreachable (it is marked dead).
             ValueError: a prompt plus max_tokens exceeds ``max_model_len``.
         """
-        ids = trajectory_ids or [f"anon-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+        if trajectory_ids is None:  # no trajectory to keep together: route, then forget the affinity
+            ids = [f"anon-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+            try:
+                return list(self._pool.map(self.sample, requests, ids))
+            finally:
+                for t in ids:
+                    self.router.finish(t)
         if len(requests) == 1:
-            return [self.sample(requests[0], ids[0])]
-        return list(self._pool.map(self.sample, requests, ids))
+            return [self.sample(requests[0], trajectory_ids[0])]
+        return list(self._pool.map(self.sample, requests, trajectory_ids))
 
     def sample(self, r: SampleRequest, trajectory_id: str) -> Sample:
         """One request, routed by ``trajectory_id``; see :meth:`generate`."""
@@ -232,25 +238,33 @@ class ServerEngine:
         new request was served (drain plus reload).
 
         Raises:
-            httpx.HTTPError: a replica refused or failed the reload (requests resume; that replica's
-                version is unchanged).
+            httpx.HTTPError: a replica refused or failed the reload; it is marked dead (out of rotation),
+                the others are reloaded, and requests resume on them.
         """
         start = time.monotonic()
         with self._gate:
             self._updating = True
             while self._requests_in_flight:
                 self._gate.wait()
+        failed = []
         try:
-            for url in self.router.live:
-                resp = self._client.post(url + "/collective_rpc", json={
-                    "method": "reload_weights_repacked", "kwargs": {"weights_path": hf_dir}})
-                resp.raise_for_status()
-                self._client.post(url + "/reset_prefix_cache").raise_for_status()
-                self.versions[url] = policy_version
+            for url in self.router.live:  # each replica on its own: one failure does not stop the others
+                try:
+                    resp = self._client.post(url + "/collective_rpc", json={
+                        "method": "reload_weights_repacked", "kwargs": {"weights_path": hf_dir}})
+                    resp.raise_for_status()
+                    self.versions[url] = policy_version  # the weights changed, whatever happens next
+                    self._client.post(url + "/reset_prefix_cache").raise_for_status()
+                except httpx.HTTPError as err:
+                    failed.append(f"{url}: {type(err).__name__}: {err}")
+                    self.router.mark_dead(url)  # serves no more requests until revived
         finally:
             with self._gate:
                 self._updating = False
                 self._gate.notify_all()
+        if failed:
+            raise httpx.HTTPError(f"weight reload failed on {len(failed)} replica(s), taken out of rotation: "
+                                  + "; ".join(failed))
         return time.monotonic() - start
 
     def prefix_cache(self) -> dict[str, float]:
