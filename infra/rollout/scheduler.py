@@ -462,10 +462,7 @@ class AsyncCollector:
             row["episode_queue_s"] = job.launched_s - job.queued_s
             self._finished(job, row)
         except Exception:  # noqa: BLE001 - a bad row must not leave its group waiting forever
-            log.exception("scheduler: processing a result of %s failed; dropping the group", job.group_id)
-            g = self._groups.get(job.group_id)
-            if g is not None:
-                self._drop(g, "infra_failure:harness_error")
+            self._drop_after_error(job, "processing a result")
 
     def _check_deadlines(self) -> None:
         now = self.clock()
@@ -478,10 +475,14 @@ class AsyncCollector:
                 row["finished_s"], row["episode_s"] = now, now - job.launched_s
                 self._finished(job, row)
             except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
-                log.exception("scheduler: deadline of %s could not be recorded; dropping the group", job.group_id)
-                g = self._groups.get(job.group_id)
-                if g is not None:
-                    self._drop(g, "infra_failure:harness_error")
+                self._drop_after_error(job, "recording a deadline")
+
+    def _drop_after_error(self, job: EpisodeJob, what: str) -> None:
+        """Log the exception being handled and drop the job's group (``infra_failure:harness_error``)."""
+        log.exception("scheduler: %s of %s failed; dropping the group", what, job.group_id)
+        g = self._groups.get(job.group_id)
+        if g is not None:
+            self._drop(g, "infra_failure:harness_error")
 
     def _finished(self, job: EpisodeJob, row: dict) -> None:
         g = self._groups.get(job.group_id)
