@@ -21,7 +21,7 @@ from tasks.difficulty import refresh_difficulty
 from tasks.evaluate import evaluate
 from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
-from tasks.publish import hot_load, publish_checkpoint
+from tasks.publish import export_weights, hot_load, load_colocated, load_direct, publish_checkpoint
 from tasks.rollouts import collect_rollouts
 from tasks.runtime import artifact_key
 from tasks.train import train_step
@@ -46,6 +46,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     policy = prepare_policy(config)
     s = config.storage
     summaries = []
+    upload = None  # background upload of the last version (direct and colocated patterns)
     for step in range(policy["next_step"], config.steps):
         t0 = time.monotonic()
         selection = refresh_difficulty(config, catalog_uri, step)
@@ -58,8 +59,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         t3 = time.monotonic()
         version = step + 1
         ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
-        as_asset(publish_checkpoint, ckpt, [traj_uri])(config, ckpt, version, step)
-        loaded = hot_load(config, ckpt)
+        if upload is not None:
+            upload.result()  # the previous version's background upload (raises if it failed)
+        loaded, upload = publish_version(config, ckpt, version, step, traj_uri)
         t4 = time.monotonic()
         report = None
         if config.eval.enabled:
@@ -76,8 +78,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "ratio_p05": metrics["ratio_p05"], "ratio_p95": metrics["ratio_p95"],
             "tis_capped_frac": metrics["tis_capped_frac"], "tis_masked_frac": metrics["tis_masked_frac"],
             "rows_with_signal": metrics["rows_with_signal"], "optimizer_step": metrics["optimizer_step"],
-            "checkpoint": ckpt, "policy_version": loaded["version"], "reload_pause_s": round(loaded["pause_s"], 3),
-            "checkpoint_refused": loaded["refused"],
+            "checkpoint": ckpt, "policy_version": loaded["version"], "publish_pattern": config.publish.pattern,
+            "publish_latency_s": round(t4 - t3, 3), "reload_pause_s": round(loaded["pause_s"], 3),
+            "publish_transfer_s": round(loaded["transfer_s"], 3), "checkpoint_refused": loaded["refused"],
             "eval_pass_at_1": report["pass_at_1"] if report else None,
             "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
             "publish_s": round(t4 - t3, 2), "eval_s": round(t5 - t4, 2),
@@ -96,7 +99,30 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         create_table_artifact(key=artifact_key(config.run_id, "steps"), table=[{k: str(v) for k, v in x.items()}
                                                                        for x in summaries],
                               description=f"post_train {config.run_id}: per-step summary")
+    if upload is not None:
+        upload.result()
     return summaries
+
+
+def publish_version(config: RunConfig, ckpt: str, version: int, step: int, traj_uri: str):
+    """Get ``version`` to the engine by ``config.publish.pattern``; returns (load result, upload future or None).
+
+    storage: upload (manifest last), then fetch, verify and load. direct / colocated: the engine
+    loads first (pulled over HTTP and verified / from memory) and the S3 upload is submitted to
+    run in the background; the caller waits on it before the next publication.
+    """
+    pattern = config.publish.pattern
+    publish = as_asset(publish_checkpoint, ckpt, [traj_uri])
+    if pattern == "storage":
+        publish(config, ckpt, version, step)
+        return hot_load(config, ckpt), None
+    if pattern == "direct":
+        export_dir = export_weights(config, version)
+        loaded = load_direct(config, export_dir, version)
+    else:
+        loaded = load_colocated(config, version)
+        export_dir = export_weights(config, version)
+    return loaded, publish.submit(config, ckpt, version, step, export_dir)
 
 
 def format_summary(s: dict) -> str:
@@ -111,7 +137,9 @@ def format_summary(s: dict) -> str:
             f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
             f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
             f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
-            f"checkpoint={s['checkpoint']} eval_pass@1={pass1} "
+            f"checkpoint={s['checkpoint']} publish[{s.get('publish_pattern', 'storage')}] "
+            f"latency={s.get('publish_latency_s', 0):.1f}s pause={s.get('reload_pause_s', 0):.2f}s "
+            f"eval_pass@1={pass1} "
             + (f"episode_s p50/p90/max={s['episode_s_p50']:.1f}/{s['episode_s_p90']:.1f}/{s['episode_s_max']:.1f} "
                f"straggler_tail={s['straggler_tail_s']:.1f}s engine_idle={s['engine_idle_s']:.1f}s "
                f"gen_tok/s={s['generation_tokens_per_s']:.0f} prefix_hit={s['prefix_cache_hit_rate']:.2f} "

@@ -20,7 +20,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be published or trusted; names the URI and the file."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -50,7 +51,7 @@ def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, st
     entries = {}
     for p in files:
         fs.put_file(str(p), f"{uri}/{p.name}")
-        entries[p.name] = {"sha256": _sha256(p), "size": p.stat().st_size}
+        entries[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
     manifest = {"version": version, "parent_version": parent_version, "step": step, "dtype": dtype,
                 "files": entries, "published_at": time.time(), "upload_s": time.monotonic() - start}
     fs.pipe_file(f"{uri}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -87,7 +88,7 @@ def fetch(fs, uri: str, local_dir: Path) -> dict:
     for name, meta in manifest["files"].items():
         dest = local_dir / name
         fs.get_file(f"{uri}/{name}", str(dest))
-        if dest.stat().st_size != meta["size"] or _sha256(dest) != meta["sha256"]:
+        if dest.stat().st_size != meta["size"] or sha256_file(dest) != meta["sha256"]:
             raise CheckpointError(f"{uri}/{name}: content does not match the manifest's size/sha256")
     return manifest
 

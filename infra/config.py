@@ -157,6 +157,18 @@ class EvalConfig(_Strict):
     """Tokens per HumanEval completion (greedy)."""
 
 
+class PublishConfig(_Strict):
+    """How a trained version reaches the rollout engine (``infra/publish``)."""
+
+    pattern: Literal["storage", "direct", "colocated"] = "storage"
+    """``storage``: the engine loads the S3 checkpoint after it is uploaded and verified.
+    ``direct``: the engine pulls the trainer's files over HTTP and verifies them (S3 upload in the
+    background). ``colocated``: the in-process engine loads the trainer's tensors from memory (S3
+    upload in the background)."""
+    host: str = "127.0.0.1"
+    """Address the trainer's direct-transfer server binds (one the engine machines reach)."""
+
+
 class StorageConfig(_Strict):
     """Where trajectories and checkpoints go."""
 
@@ -179,6 +191,7 @@ class RunConfig(_Strict):
     difficulty: DifficultyConfig = DifficultyConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    publish: PublishConfig = PublishConfig()
     storage: StorageConfig = StorageConfig()
 
 

