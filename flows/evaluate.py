@@ -1,17 +1,24 @@
 """Deployable flow: evaluate a published checkpoint on the held-out tasks, in the serving precision.
 
-``python -m flows.evaluate --config configs/quickstart.toml`` (newest version) or the ``evaluate``
-deployment with a ``version``. The report goes beside the checkpoint (``…/vN/eval.json``).
+``python -m flows.evaluate --config configs/quickstart.toml [--version N] [--force]`` or the
+``evaluate`` deployment. The serving-precision report goes beside the checkpoint (``…/vN/eval.json``)
+and is reused while the serving dtype and the eval settings are unchanged; a change of either
+re-evaluates (a report of an earlier serving dtype is kept as ``eval-served-{dtype}.json``). An
+evaluation in another precision is refused unless ``eval.allow_precision_mismatch``; it is then
+marked ``precision_mismatch`` and stored apart, as ``…/vN/eval-{dtype}-not-serving.json``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from infra.checkpoint import checkpoint_uri, published_versions
 from infra.config import RunConfig
+from infra.evaluate import eval_precision
+from tasks.evaluate import eval_settings
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.lineage import as_asset
 from tasks.publish import hot_load
@@ -20,13 +27,26 @@ from tasks.runtime import run_uri, runtime, work_dir
 DEFAULT_CONFIG = RunConfig()
 
 
+def report_uri_for(ckpt: str, dtype: str, mismatch: bool) -> str:
+    """Where the report of ``ckpt`` in ``dtype`` lives: ``eval.json`` (serving precision) or apart."""
+    return f"{ckpt}/eval-{dtype}-not-serving.json" if mismatch else f"{ckpt}/eval.json"
+
+
 @flow(name="evaluate", log_prints=True)
-def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None) -> dict:
-    """Greedy pass@1 of checkpoint ``version`` (default: newest published) with the serving engine and dtype.
+def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, force: bool = False) -> dict:
+    """pass@k of checkpoint ``version`` (default: newest published) with the serving engine and dtype.
+
+    Returns the report; ``reevaluated_because`` says why an existing report was replaced, and
+    ``reused: true`` marks a stored report returned as is (same dtype and settings; ``force``
+    re-evaluates anyway).
 
     Raises:
+        PrecisionMismatch: ``eval.dtype`` is not the serving dtype and the mismatch is not allowed
+            (checked before anything loads).
         ValueError: the run has no published checkpoint, or not that version.
     """
+    dtype, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
+                                     config.eval.allow_precision_mismatch)
     rt = runtime(config)
     s = config.storage
     versions = published_versions(rt.fs, s.bucket, s.prefix, config.run_id)
@@ -34,7 +54,21 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None) -> 
         raise ValueError(f"run {config.run_id}: checkpoint version {version} not published (have {versions})")
     version = version if version is not None else versions[-1]
     ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
-    if rt.policy_dir:
+    report_uri = report_uri_for(ckpt, dtype, mismatch)
+    reason = ""
+    rt.fs.invalidate_cache()
+    if rt.fs.exists(report_uri):
+        stored = json.loads(rt.fs.cat_file(report_uri))
+        same = stored.get("dtype") == dtype and stored.get("settings") == eval_settings(config)
+        if same and not force:
+            print(f"{report_uri}: up to date ({dtype}, same settings); not re-evaluated")
+            return {**stored, "reused": True}
+        reason = ("forced" if same else f"dtype {stored.get('dtype')} -> {dtype}" if stored.get("dtype") != dtype
+                  else f"settings {stored.get('settings')} -> {eval_settings(config)}")
+        if stored.get("dtype") != dtype:  # keep the report of the old serving precision
+            rt.fs.copy(report_uri, f"{ckpt}/eval-served-{stored.get('dtype')}.json")
+        get_run_logger().info("re-evaluating v%d: %s", version, reason)
+    if rt.policy_dir and rt._engine is not None:
         hot_load(config, ckpt)  # an engine already serves in this process: load the version into it
     else:
         from infra.checkpoint import fetch
@@ -42,13 +76,38 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None) -> 
         local = work_dir(config.run_id) / f"v{version}"
         fetch(rt.fs, ckpt, local)
         rt.policy_dir, rt.policy_version = str(local), version
-    report = as_asset(evaluate_task, f"{ckpt}/eval.json", [ckpt])(config, f"{run_uri(config)}/envs.json",
-                                                                 f"{ckpt}/eval.json")
-    print(f"{ckpt}: pass@1 {report['pass_at_1']:.3f} on {report['tasks']} held-out tasks ({report['dtype']})")
+    previous = report_uri_for(checkpoint_uri(s.bucket, s.prefix, config.run_id, version - 1), dtype, mismatch)
+    report = as_asset(evaluate_task, report_uri, [ckpt])(config, f"{run_uri(config)}/envs.json", report_uri, previous)
+    if reason:
+        report["reevaluated_because"] = reason
+        rt.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
+    scores = " ".join(f"pass@{k} {v:.3f}" for k, v in report["pass_at_k"].items())
+    print(f"{ckpt}: {scores} on {report['tasks']} held-out tasks ({report['dtype']}"
+          f"{', NOT the serving precision ' + config.model.serving_dtype if mismatch else ''})")
     return report
 
 
-if __name__ == "__main__":
-    from flows.cli import run_flow_cli
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``--config``, ``--run-id``, ``--version``, ``--force``."""
+    import argparse
 
-    sys.exit(run_flow_cli(evaluate, __doc__))
+    from infra.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
+    parser.add_argument("--run-id", default=None, help="override config run_id")
+    parser.add_argument("--version", type=int, default=None, help="checkpoint version (default: newest)")
+    parser.add_argument("--force", action="store_true", help="re-evaluate even if an up-to-date report exists")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, **({"run_id": args.run_id} if args.run_id else {}))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = evaluate(config, version=args.version, force=args.force)
+    print(json.dumps({k: v for k, v in report.items() if k != "per_task"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ from prefect.artifacts import create_table_artifact
 
 from infra.checkpoint import checkpoint_uri
 from infra.config import ConfigError, RunConfig, load_config
+from infra.evaluate import PrecisionMismatch, eval_precision
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
 from tasks.difficulty import refresh_difficulty
 from tasks.evaluate import evaluate
@@ -41,6 +42,12 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     straggler_tail_s, engine_idle_s, generation_tokens_per_s, groups_carried_in, groups_dropped,
     policy_lag_hist (lag in versions -> groups).
     """
+    if config.eval.enabled:  # the in-process engine evaluates in the serving precision only
+        _, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
+                                     config.eval.allow_precision_mismatch)
+        if mismatch:
+            raise PrecisionMismatch(f"eval.dtype={config.eval.dtype}: post_train evaluates with its serving engine "
+                                    f"({config.model.serving_dtype}); evaluate other precisions with flows.evaluate")
     catalog_uri = build_envs(config)
     materialize_task_images(config, catalog_uri)
     policy = prepare_policy(config)
@@ -65,7 +72,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         t4 = time.monotonic()
         report = None
         if config.eval.enabled:
-            report = as_asset(evaluate, f"{ckpt}/eval.json", [ckpt])(config, catalog_uri, f"{ckpt}/eval.json")
+            previous = f"{checkpoint_uri(s.bucket, s.prefix, config.run_id, version - 1)}/eval.json"
+            report = as_asset(evaluate, f"{ckpt}/eval.json", [ckpt])(config, catalog_uri, f"{ckpt}/eval.json",
+                                                                    previous)
         t5 = time.monotonic()
         summary = {
             "step": step, "time_to_batch_s": round(rollouts["time_to_batch_s"], 2),
@@ -81,7 +90,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "checkpoint": ckpt, "policy_version": loaded["version"], "publish_pattern": config.publish.pattern,
             "publish_latency_s": round(t4 - t3, 3), "reload_pause_s": round(loaded["pause_s"], 3),
             "publish_transfer_s": round(loaded["transfer_s"], 3), "checkpoint_refused": loaded["refused"],
-            "eval_pass_at_1": report["pass_at_1"] if report else None,
+            "eval_pass_at_1": report.get("pass_at_1") if report else None,
+            "eval_pass_at_k": report["pass_at_k"] if report else {},
+            "eval_delta": report.get("compared_to", {}).get("pass_at_k_delta", {}) if report else {},
             "difficulty_s": round(t1 - t0, 2), "rollout_s": round(t2 - t1, 2), "train_s": round(t3 - t2, 2),
             "publish_s": round(t4 - t3, 2), "eval_s": round(t5 - t4, 2),
             "rows_dropped_divergence": metrics["rows_dropped_divergence"],
@@ -131,7 +142,9 @@ def format_summary(s: dict) -> str:
     infra = " ".join(f"{k}={v}" for k, v in sorted(s.get("infra_reasons", {}).items()))
     if infra:
         outcomes += f" infra_reasons({infra}) retried={s.get('retried', 0)}"
-    pass1 = "n/a" if s["eval_pass_at_1"] is None else f"{s['eval_pass_at_1']:.3f}"
+    pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
+    if s.get("eval_delta"):
+        pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"
     return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
             f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
             f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
@@ -139,7 +152,7 @@ def format_summary(s: dict) -> str:
             f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
             f"checkpoint={s['checkpoint']} publish[{s.get('publish_pattern', 'storage')}] "
             f"latency={s.get('publish_latency_s', 0):.1f}s pause={s.get('reload_pause_s', 0):.2f}s "
-            f"eval_pass@1={pass1} "
+            f"eval {pass1} "
             + (f"episode_s p50/p90/max={s['episode_s_p50']:.1f}/{s['episode_s_p90']:.1f}/{s['episode_s_max']:.1f} "
                f"straggler_tail={s['straggler_tail_s']:.1f}s engine_idle={s['engine_idle_s']:.1f}s "
                f"gen_tok/s={s['generation_tokens_per_s']:.0f} prefix_hit={s['prefix_cache_hit_rate']:.2f} "

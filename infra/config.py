@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -154,7 +154,27 @@ class EvalConfig(_Strict):
     enabled: bool = True
     """Evaluate each published checkpoint."""
     max_tokens: int = Field(256, ge=1, le=8192)
-    """Tokens per HumanEval completion (greedy)."""
+    """Tokens per completion (per turn for terminal tasks)."""
+    samples_per_task: int = Field(1, ge=1, le=200)
+    """n: attempts per held-out task (pass@k needs n >= k)."""
+    k: list[int] = Field(default_factory=lambda: [1])
+    """The k of each pass@k reported (unbiased estimator, Chen et al. 2021); each 1 <= k <= n."""
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    """0: greedy (then n must be 1: greedy attempts are identical)."""
+    dtype: Literal["serving", "float32", "bfloat16"] = "serving"
+    """Precision to evaluate in. Anything but the serving precision is refused unless
+    ``allow_precision_mismatch``; such a report is marked and stored apart."""
+    allow_precision_mismatch: bool = False
+    """Explicitly allow evaluating in a precision other than ``model.serving_dtype``."""
+
+    @model_validator(mode="after")
+    def _check_k(self):
+        bad = [k for k in self.k if not 1 <= k <= self.samples_per_task]
+        if not self.k or bad:
+            raise ValueError(f"eval.k: each k must be in 1..samples_per_task={self.samples_per_task}, got {self.k}")
+        if self.samples_per_task > 1 and self.temperature == 0.0:
+            raise ValueError("eval.samples_per_task > 1 needs eval.temperature > 0 (greedy attempts are identical)")
+        return self
 
 
 class PublishConfig(_Strict):

@@ -1,8 +1,9 @@
-"""Prefect task: pass@1 on the held-out tasks with the serving engine and dtype; report beside the checkpoint."""
+"""Prefect task: pass@k on the held-out tasks with the serving engine and dtype; report beside the checkpoint."""
 
 from __future__ import annotations
 
 import json
+import time
 
 from prefect import task
 from prefect.assets import add_asset_metadata
@@ -10,32 +11,61 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
-from infra.evaluate import eval_report
+from infra.evaluate import PrecisionMismatch, compare_reports, eval_precision, eval_report
 from infra.rollout.collector import Collector, CollectSettings
 from tasks.runtime import runtime
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(config: RunConfig, catalog_uri: str, report_uri: str) -> dict:
-    """Greedy pass@1 on every usable held-out task with the engine as it serves now.
+def eval_settings(config: RunConfig) -> dict:
+    """The settings a report was made with; a stored report is reused only when they match."""
+    e = config.eval
+    return {"samples_per_task": e.samples_per_task, "k": list(e.k), "temperature": e.temperature,
+            "max_tokens": e.max_tokens, "max_turns": config.rollout.max_turns}
 
-    Run as a materializing task (asset ``report_uri``, upstream the checkpoint).
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(config: RunConfig, catalog_uri: str, report_uri: str, previous_uri: str = "") -> dict:
+    """pass@k (``eval.k``, ``eval.samples_per_task`` attempts per task) on every usable held-out task.
+
+    Runs with the engine as it serves now, in the serving dtype (or, with
+    ``eval.allow_precision_mismatch``, in ``eval.dtype``, marked in the report). When
+    ``previous_uri`` holds an earlier version's report in the same precision, the report gets a
+    ``compared_to`` section (``infra.evaluate.compare_reports``). Run as a materializing task
+    (asset ``report_uri``, upstream the checkpoint).
 
     Returns:
-        The report (see ``infra.evaluate.eval_report``), also written to ``report_uri``.
+        The report (see ``infra.evaluate.eval_report``, plus ``settings``, ``evaluated_at`` (unix s),
+        ``compared_to``), also written to ``report_uri``.
+
+    Raises:
+        PrecisionMismatch: the precision is refused, or the engine in this process serves another dtype.
     """
+    dtype, _ = eval_precision(config.model.serving_dtype, config.eval.dtype, config.eval.allow_precision_mismatch)
     rt = runtime(config)
+    engine = rt.engine_in(dtype)
+    if engine.dtype != dtype:
+        raise PrecisionMismatch(f"the engine in this process serves {engine.dtype}; evaluating in {dtype} needs a "
+                                f"fresh process (python -m flows.evaluate --config ...)")
     catalog = rt.load_catalog(catalog_uri)
     held_out = [e for e in catalog["tasks"] if e["usable"] and e["split"] == "eval"]
     images = {e["task_id"]: (e["image"], e["image_digest"]) for e in held_out}
-    r = config.rollout
-    settings = CollectSettings(group_size=1, temperature=0.0, top_p=1.0, max_tokens_per_turn=config.eval.max_tokens,
-                               max_turns=r.max_turns, seed=r.seed, max_infra_retries=r.max_infra_retries)
-    collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
-    rows = collector.collect(f"{config.run_id}-eval", rt.policy_version, [rt.tasks[e["task_id"]] for e in held_out],
+    r, e = config.rollout, config.eval
+    settings = CollectSettings(group_size=e.samples_per_task, temperature=e.temperature, top_p=1.0,
+                               max_tokens_per_turn=e.max_tokens, max_turns=r.max_turns, seed=r.seed,
+                               max_infra_retries=r.max_infra_retries)
+    collector = Collector(engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
+    rows = collector.collect(f"{config.run_id}-eval", rt.policy_version, [rt.tasks[x["task_id"]] for x in held_out],
                              images)
-    report = eval_report(rows, rt.policy_version, engine=f"vllm:{rt.engine.replica}", dtype=rt.engine.dtype)
+    report = eval_report(rows, rt.policy_version, engine=f"vllm:{engine.replica}", dtype=engine.dtype, k=e.k,
+                         serving_dtype=config.model.serving_dtype)
+    report["settings"] = eval_settings(config)
+    report["evaluated_at"] = time.time()
+    if previous_uri and rt.fs.exists(previous_uri):
+        previous = json.loads(rt.fs.cat_file(previous_uri))
+        if previous.get("dtype") == report["dtype"] and "pass_at_k" in previous:
+            report["compared_to"] = compare_reports(report, previous)
     rt.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
-    add_asset_metadata(report_uri, {"version": report["version"], "pass_at_1": report["pass_at_1"],
-                                    "dtype": report["dtype"]})
+    add_asset_metadata(report_uri, {"version": report["version"], "dtype": report["dtype"],
+                                    "precision_mismatch": report["precision_mismatch"],
+                                    **{f"pass_at_{k}": v for k, v in report["pass_at_k"].items()}})
     return report

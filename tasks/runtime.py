@@ -76,12 +76,19 @@ class Runtime:
 
     @property
     def engine(self):
-        """The vLLM rollout engine serving ``policy_dir`` at ``policy_version``."""
+        """The vLLM rollout engine serving ``policy_dir`` at ``policy_version``, in ``model.serving_dtype``."""
+        return self.engine_in(self.config.model.serving_dtype)
+
+    def engine_in(self, dtype: str):
+        """The engine; started in ``dtype`` if none runs yet (an evaluation in a non-serving precision).
+
+        An engine already running keeps its dtype: callers compare ``engine.dtype`` with what they need.
+        """
         if self._engine is None:
             from infra.rollout.engine import VLLMEngine
 
             m = self.config.model
-            self._engine = VLLMEngine(self.policy_dir, dtype=m.serving_dtype, max_model_len=m.max_model_len,
+            self._engine = VLLMEngine(self.policy_dir, dtype=dtype, max_model_len=m.max_model_len,
                                       kv_cache_gib=m.kv_cache_gib, seed=self.config.rollout.seed,
                                       policy_version=self.policy_version)
         return self._engine

@@ -6,12 +6,13 @@ import hashlib
 import json
 import time
 import uuid
+from pathlib import Path
 
 import docker
 import httpx
 import pytest
 
-from infra.config import EvalConfig, ModelConfig, RolloutConfig, RunConfig, TaskSetConfig
+from infra.config import EvalConfig, ModelConfig, PublishConfig, RolloutConfig, RunConfig, TaskSetConfig
 from infra.store import TRAJECTORY_SCHEMA, read_step
 
 pytestmark = pytest.mark.integration
@@ -46,6 +47,7 @@ def finished_run(tiny_model, s3, prefect_harness):
                             task_sets=["envs/harbor"]),
         rollout=RolloutConfig(tasks_per_step=3, group_size=2, max_tokens_per_turn=24, max_turns=2),
         eval=EvalConfig(max_tokens=24),
+        publish=PublishConfig(pattern="colocated"),  # storage: test_resume.py and the quickstart
     )
     summaries = post_train(config)
     return config, summaries
@@ -58,6 +60,9 @@ def test_step_summary(finished_run):
     assert s["policy_version"] == 1 and s["policy_lag_max"] == 0
     assert sum(s["outcomes"].values()) == s["rows"] >= 6
     assert s["logprob_abs_diff"] < 1e-3  # fp32 vLLM vs fp32 trainer on the same tokens
+    # colocated: loaded from memory, then the checkpoint uploaded in the background (awaited at the end)
+    assert s["publish_pattern"] == "colocated" and s["checkpoint_refused"] == ""
+    assert 0 < s["reload_pause_s"] <= s["publish_latency_s"]
 
 
 def test_stored_rows(finished_run, s3):
@@ -183,9 +188,6 @@ def test_corrupt_checkpoint_is_refused_and_engine_keeps_serving(finished_run, s3
 
 
 def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from infra.rollout.engine import SampleRequest
     from infra.train.mismatch import trainer_logprobs
     from tasks.runtime import runtime
@@ -195,13 +197,7 @@ def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
     engine, served_dir, served = rt.engine, rt.policy_dir, rt.engine.policy_version
     prompt = list(range(5, 200))  # long enough to fill several KV blocks, cached after the first call
     before = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
-    # a very different policy: the tiny model with noise on every weight
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(tmp_path / "noisy")
+    _noisy(tiny_model, tmp_path / "noisy")  # a very different policy
     try:
         engine.load_weights(str(tmp_path / "noisy"), 99)
         after = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
@@ -213,6 +209,64 @@ def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
             abs(a - b) for a, b in zip(after.logprobs, before.logprobs, strict=True)) > 1e-2
     finally:
         engine.load_weights(served_dir, served)
+
+
+def _noisy(tiny_model, out):
+    """The tiny model with noise on every weight: a policy far from the trainer's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(out)
+    return str(out)
+
+
+def test_colocated_and_direct_publication_serve_the_trainers_weights(finished_run, tiny_model, tmp_path):
+    """Each pattern, from a very different served policy: afterwards the engine's logprobs are the trainer's."""
+    from infra.publish import file_entries
+    from infra.rollout.engine import SampleRequest
+    from infra.train.mismatch import trainer_logprobs
+    from tasks.publish import export_weights, load_colocated, load_direct
+    from tasks.runtime import runtime
+
+    config, _ = finished_run
+    rt = runtime(config)
+    engine, served_dir, served = rt.engine, rt.policy_dir, rt.engine.policy_version
+    noisy = _noisy(tiny_model, tmp_path / "noisy")
+    export_dir = export_weights(config, 100)  # the trainer's weights as files: the reference
+    prompt = list(range(5, 200))
+
+    def max_diff_to_trainer() -> float:
+        out = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
+        ref = trainer_logprobs(export_dir, [prompt + out.token_ids], "float32")[0][len(prompt) - 1:]
+        return max(abs(a - b) for a, b in zip(out.logprobs, ref, strict=True))
+
+    try:
+        engine.load_weights(noisy, 98)
+        engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])  # prefix cached under the noisy weights
+        assert max_diff_to_trainer() > 1e-2  # the check can fail
+        loaded = load_colocated(config, 100)
+        assert loaded["refused"] == "" and engine.policy_version == 100 and loaded["pause_s"] > 0
+        assert max_diff_to_trainer() < 1e-3
+
+        engine.load_weights(noisy, 99)
+        loaded = load_direct(config, export_dir, 101)
+        assert loaded["refused"] == "" and engine.policy_version == 101 and loaded["transfer_s"] > 0
+        assert max_diff_to_trainer() < 1e-3
+
+        # a manifest the bytes do not match: refused, the engine keeps serving v101
+        files = file_entries(Path(export_dir))
+        files["model.safetensors"]["sha256"] = "0" * 64
+        refused = load_direct(config, export_dir, 102, files=files)
+        assert refused["version"] == 101 and "does not match the manifest" in refused["refused"]
+        assert engine.policy_version == 101 and rt.policy_version == 101
+    finally:
+        engine.load_weights(served_dir, served)
+        rt.policy_dir, rt.policy_version = served_dir, served
 
 
 # ------------------------------------------------------------------ replay and faults (issue 3)
@@ -353,3 +407,56 @@ def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
         final[(r["group_id"], r["sample_index"])] = r
     assert len(final) == 4 and all(r["outcome"] != "infra_failure" for r in final.values())  # the batch completed
     assert _left_behind(rt.backend, rows) == []  # killed ones included
+
+
+def _evaluate_in_subprocess(config, version: int) -> dict:
+    """Run the evaluate flow in a fresh process (its own engine, in the config's dtype) on this Prefect server."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    code = ("import json, sys; from flows.evaluate import evaluate; from infra.config import RunConfig; "
+            "r = evaluate(RunConfig.model_validate_json(sys.argv[1]), version=int(sys.argv[2])); "
+            "print('REPORT=' + json.dumps({k: v for k, v in r.items() if k != 'per_task'}))")
+    out = subprocess.run([sys.executable, "-c", code, config.model_dump_json(), str(version)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.split("REPORT=", 1)[1].splitlines()[0])
+
+
+# Last in the module: it adds eval assets downstream of v1 (the lineage tests above count them).
+def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(finished_run, s3):
+    from flows.evaluate import evaluate
+    from infra.evaluate import PrecisionMismatch
+    from tasks.runtime import _RUNTIMES
+
+    config, _ = finished_run
+    ckpt = f"agentrl/runs/{config.run_id}/checkpoints/v1"
+    before = json.loads(s3.cat_file(f"{ckpt}/eval.json"))
+    # same dtype and settings: the stored report is served, nothing re-runs
+    again = evaluate(config, version=1)
+    assert again["reused"] is True and again["evaluated_at"] == before["evaluated_at"]
+    # another precision without leave: refused before anything loads (the run's runtime is untouched)
+    rt = _RUNTIMES[config.run_id]
+    bf16_eval = config.model_copy(update={"eval": config.eval.model_copy(update={"dtype": "bfloat16"})})
+    with pytest.raises(PrecisionMismatch, match="set eval.allow_precision_mismatch"):
+        evaluate(bf16_eval, version=1)
+    assert _RUNTIMES[config.run_id] is rt
+    # ... with leave: evaluated in bf16 (a fresh process), marked, stored apart; eval.json unchanged
+    allowed = bf16_eval.model_copy(
+        update={"eval": bf16_eval.eval.model_copy(update={"allow_precision_mismatch": True})})
+    marked = _evaluate_in_subprocess(allowed, 1)
+    assert (marked["dtype"], marked["serving_dtype"], marked["precision_mismatch"]) == ("bfloat16", "float32", True)
+    s3.invalidate_cache()
+    assert json.loads(s3.cat_file(f"{ckpt}/eval-bfloat16-not-serving.json"))["precision_mismatch"] is True
+    assert json.loads(s3.cat_file(f"{ckpt}/eval.json"))["evaluated_at"] == before["evaluated_at"]
+    # the serving precision changes: re-evaluated in it, the earlier report kept
+    bf16_serving = config.model_copy(update={"model": config.model.model_copy(update={"serving_dtype": "bfloat16"})})
+    redone = _evaluate_in_subprocess(bf16_serving, 1)
+    assert redone["dtype"] == "bfloat16" and redone["precision_mismatch"] is False
+    assert redone["reevaluated_because"] == "dtype float32 -> bfloat16"
+    s3.invalidate_cache()
+    assert json.loads(s3.cat_file(f"{ckpt}/eval.json"))["dtype"] == "bfloat16"
+    assert json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json"))["evaluated_at"] == before["evaluated_at"]

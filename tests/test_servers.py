@@ -103,6 +103,44 @@ def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hel
         assert all(v == -1 for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if not m)
 
 
+def test_direct_publication_to_servers_loads_verified_bytes_or_refuses(servers, engine, tiny_model, tmp_path):
+    """Replicas pull the trainer's files over HTTP while serving; a manifest mismatch changes nothing anywhere."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infra.checkpoint import CheckpointError
+    from infra.publish import DirectSource, file_entries
+    from infra.train.mismatch import trainer_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(tmp_path / "noisy")
+    files = file_entries(tmp_path / "noisy")
+    prompt = list(range(5, 60))
+    try:
+        with DirectSource(tmp_path / "noisy") as source:
+            bad = {**files, "model.safetensors": {**files["model.safetensors"], "size": 1}}
+            with pytest.raises(CheckpointError, match="does not match the manifest"):
+                engine.load_weights_direct(source.url, bad, 5)
+            assert set(engine.versions.values()) == {0} and len(engine.router.live) == 2
+            timing = engine.load_weights_direct(source.url, files, 6)
+        assert timing["transfer_s"] > 0 and timing["pause_s"] > 0
+        assert set(engine.versions.values()) == {6}
+        replicas = set()
+        for i in range(2):  # new trajectories alternate between replicas: both serve the pulled weights
+            out = engine.generate([SampleRequest(prompt, 6, 1.0, 1.0, i)], [f"direct-{i}"])[0]
+            replicas.add(out.replica)
+            assert out.policy_version == 6
+            ref = trainer_logprobs(str(tmp_path / "noisy"), [prompt + out.token_ids], "float32")[0][len(prompt) - 1:]
+            assert max(abs(a - b) for a, b in zip(out.logprobs, ref, strict=True)) < 1e-3
+        assert replicas == {s.url for s in servers}
+    finally:
+        engine.load_weights(str(tiny_model), 0)
+
+
 def test_replica_death_fails_over_and_the_batch_completes(servers, engine, backend, hello_image):
     task, images = hello_image
     c = _collector(engine, backend, images, max_turns=3, infra_policy="retry")

@@ -1,0 +1,47 @@
+"""Direct-transfer source and pull: bytes verified against the manifest, bad ones refused (real HTTP, loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.checkpoint import CheckpointError
+from infra.publish import DirectSource, file_entries, pull
+
+
+@pytest.fixture()
+def export(tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (folder / "config.json").write_text('{"a": 1}')
+    return folder
+
+
+def test_pull_copies_and_verifies_every_file(export, tmp_path):
+    files = file_entries(export)
+    assert set(files) == {"model.safetensors", "config.json"} and files["config.json"]["size"] == 8
+    with DirectSource(export) as source:
+        dest = pull(source.url, files, tmp_path / "dest")
+    assert file_entries(dest) == files
+
+
+def test_corrupt_or_missing_file_is_refused_and_nothing_left(export, tmp_path):
+    files = file_entries(export)
+    with DirectSource(export) as source:
+        bad = {**files, "model.safetensors": {**files["model.safetensors"], "sha256": "0" * 64}}
+        with pytest.raises(CheckpointError, match="model.safetensors: content does not match"):
+            pull(source.url, bad, tmp_path / "dest")
+        assert not (tmp_path / "dest").exists()
+        with pytest.raises(CheckpointError, match="missing.bin: could not be fetched"):
+            pull(source.url, {**files, "missing.bin": {"sha256": "0" * 64, "size": 1}}, tmp_path / "dest")
+        assert not (tmp_path / "dest").exists()
+
+
+def test_source_serves_only_its_own_files(export, tmp_path):
+    import httpx
+
+    (tmp_path / "secret").write_text("x")
+    with DirectSource(export) as source:
+        assert httpx.get(f"{source.url}/../secret").status_code == 404
+        assert httpx.get(f"{source.url}/").status_code == 404
+        assert httpx.get(f"{source.url}/config.json").text == '{"a": 1}'
