@@ -1,7 +1,8 @@
 """Deployable flow: collect one step's rollouts with the newest published policy, without training.
 
 ``python -m flows.collect_rollouts --config configs/quickstart.toml`` or the ``collect_rollouts``
-deployment. Writes ``trajectories/step-N.parquet`` for the given step (replacing it if present).
+deployment. Writes ``trajectories/step-N.parquet`` for the given step; an earlier attempt of the same
+step whose stored rollouts are still valid is reused (see ``tasks.rollouts.rollouts_for_step``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from prefect import flow
 from infra.config import RunConfig
 from tasks.build_envs import task_image_assets
 from tasks.difficulty import refresh_difficulty
-from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
-from tasks.rollouts import collect_rollouts as collect_task
+from tasks.rollouts import rollouts_for_step
 from tasks.runtime import run_uri
 
 DEFAULT_CONFIG = RunConfig()
@@ -32,10 +32,10 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     policy = prepare_policy(config)
     step = policy["next_step"] if step is None else step
     selection = refresh_difficulty(config, catalog_uri, step)
-    uri = f"{run_uri(config)}/trajectories/step-{step:06d}.parquet"
     deps = task_image_assets(config, catalog_uri, selection["chosen"])
-    result = as_asset(collect_task, uri, deps)(config, catalog_uri, selection["chosen"], step)
-    print(f"step {step}: {result['rows']} rows, reward mean {result['reward_mean']:.3f}, {result['outcomes']}")
+    result = rollouts_for_step(config, catalog_uri, selection["chosen"], step, deps, policy["version"])
+    print(f"step {step}: {result['rows']} rows, reward mean {result['reward_mean']:.3f}, {result['outcomes']}"
+          f"{' (reused: stored by an earlier attempt of this step)' if result['reused'] else ''}")
     return result
 
 

@@ -25,7 +25,7 @@ from tasks.evaluate import evaluate
 from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
 from tasks.publish import export_weights, hot_load, load_colocated, load_direct, publish_checkpoint
-from tasks.rollouts import collect_rollouts
+from tasks.rollouts import rollouts_for_step
 from tasks.runtime import artifact_key, run_uri, runtime
 from tasks.train import train_step
 
@@ -62,7 +62,8 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         t1 = time.monotonic()
         traj_uri = f"s3://{s.bucket}/{s.prefix}/{config.run_id}/trajectories/step-{step:06d}.parquet"
         deps = task_image_assets(config, catalog_uri, selection["chosen"])
-        rollouts = as_asset(collect_rollouts, traj_uri, deps)(config, catalog_uri, selection["chosen"], step)
+        rollouts = rollouts_for_step(config, catalog_uri, selection["chosen"], step, deps,
+                                     runtime(config).policy_version)
         t2 = time.monotonic()
         metrics = train_step(config, rollouts["uri"])
         t3 = time.monotonic()
@@ -84,7 +85,8 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "infra_reasons": rollouts["infra_reasons"], "retried": rollouts["retried"],
             "sandbox_warm": rollouts["sandbox_warm"],
             "sandbox_acquire_p50_s": round(rollouts["sandbox_acquire_p50_s"], 3),
-            "rows": rollouts["rows"], "policy_lag_max": metrics["policy_lag_max"],
+            "rows": rollouts["rows"], "rollouts_reused": rollouts["reused"],
+            "policy_lag_max": metrics["policy_lag_max"],
             "logprob_abs_diff": metrics["logprob_abs_diff"], "kl_k1": metrics["kl_k1"], "kl_k3": metrics["kl_k3"],
             "ratio_p05": metrics["ratio_p05"], "ratio_p95": metrics["ratio_p95"],
             "tis_capped_frac": metrics["tis_capped_frac"], "tis_masked_frac": metrics["tis_masked_frac"],

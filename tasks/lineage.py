@@ -12,5 +12,9 @@ from prefect.assets import materialize
 
 def as_asset(stage: Task, key: str, deps: list[str]) -> Task:
     """``stage`` as a materializing task of asset ``key`` depending on ``deps``."""
-    return materialize(key, asset_deps=list(deps), name=stage.name, cache_policy=stage.cache_policy,
-                       retries=stage.retries, retry_delay_seconds=stage.retry_delay_seconds)(stage.fn)
+    options = {"cache_policy": stage.cache_policy}
+    if stage.result_storage_key is not None:  # a stage persisted under a templated key keeps it
+        options = {"result_storage_key": stage.result_storage_key, "persist_result": True,
+                   "refresh_cache": stage.refresh_cache}
+    return materialize(key, asset_deps=list(deps), name=stage.name, retries=stage.retries,
+                       retry_delay_seconds=stage.retry_delay_seconds, **options)(stage.fn)

@@ -9,7 +9,6 @@ from collections import Counter
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.assets import add_asset_metadata
-from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
@@ -17,10 +16,17 @@ from infra.rollout.collector import Collector, CollectSettings
 from infra.store import TRAJECTORY_SCHEMA, step_uri, write_step
 from tasks.runtime import runtime
 
+ROLLOUTS_RESULT_KEY = "agentrl-rollouts/{parameters[config].run_id}/step-{parameters[step]}.pickle"
 
-@task(name="collect_rollouts", cache_policy=NO_CACHE)
+
+@task(name="collect_rollouts", persist_result=True, result_storage_key=ROLLOUTS_RESULT_KEY)
 def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int) -> dict:
     """Collect a batch of ``len(task_ids)`` complete groups and write ``trajectories/step-N.parquet``.
+
+    Idempotent on run id and step: the result is persisted under ``ROLLOUTS_RESULT_KEY``, so a
+    rerun of a step whose rollouts were stored (a run killed before its checkpoint was published)
+    reuses them; :func:`rollouts_for_step` checks the stored file before trusting it. A failed
+    collection is not served back (Prefect persists failures at random keys, not the templated one).
 
     ``rollout.scheduler="async"`` (default): the run's :class:`~infra.rollout.scheduler.AsyncCollector`
     keeps up to ``ceil(tasks_per_step * overprovision)`` groups in flight; the chosen tasks (then, to
@@ -76,7 +82,9 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
     add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size,
                              "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
-    return {"uri": uri, "rows": len(rows), "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed),
+    return {"uri": uri, "rows": len(rows), "collected_at": time.time(),
+            "max_policy_version": max((row["max_policy_version"] for row in rows), default=-1),
+            "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed),
             "outcomes": outcomes,
             "reward_mean": sum(row["reward"] for row in rows) / max(len(rows), 1), "bytes": size,
             "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1),
@@ -126,3 +134,28 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
         return [{k: v for k, v in row.items() if k in columns} for row in rows]
 
     return stored(batch.rows), stored(dropped), metrics
+
+
+def rollouts_for_step(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int, deps: list[str],
+                      policy_version: int) -> dict:
+    """The step's rollouts: reused from an earlier attempt of this step when still valid, else collected.
+
+    A reused result is trusted only if its Parquet file still exists with the same size and no row
+    was sampled by a version newer than ``policy_version`` (the one now served); otherwise it is
+    collected again (``refresh_cache``), overwriting the stored result. ``rollouts["reused"]`` says which.
+    """
+    from tasks.lineage import as_asset
+
+    traj_uri = step_uri(config.storage.bucket, config.storage.prefix, config.run_id, step)
+    started = time.time()
+    result = as_asset(collect_rollouts, traj_uri, deps)(config, catalog_uri, task_ids, step)
+    if result.get("collected_at", started) >= started:
+        return {**result, "reused": False}
+    fs = runtime(config).fs
+    fs.invalidate_cache()
+    if fs.exists(result["uri"]) and fs.size(result["uri"]) == result["bytes"] \
+            and result.get("max_policy_version", policy_version + 1) <= policy_version:
+        return {**result, "reused": True}
+    result = as_asset(collect_rollouts.with_options(refresh_cache=True), traj_uri, deps)(
+        config, catalog_uri, task_ids, step)
+    return {**result, "reused": False}

@@ -431,6 +431,34 @@ def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
     assert _left_behind(rt.backend, rows) == []  # killed ones included
 
 
+def test_failed_collection_is_not_served_from_cache_and_a_stored_one_is_reused(finished_run, s3):
+    """The rollout stage is persisted under a templated key (run id, step): idempotent, but never for failures."""
+    from prefect import flow
+
+    from tasks.rollouts import rollouts_for_step
+    from tasks.runtime import run_uri, runtime
+
+    config, _ = finished_run
+    rt = runtime(config)
+
+    @flow
+    def collect(task_ids: list[str]) -> dict:
+        return rollouts_for_step(config, f"{run_uri(config)}/envs.json", task_ids, 7, [], rt.policy_version)
+
+    with pytest.raises(KeyError, match="tb/no-such-task"):
+        collect(["tb/no-such-task"])
+    first = collect(["tb/hello-file"])  # the failure above is not served back: this one runs
+    assert first["reused"] is False and first["rows"] == 2
+    again = collect(["tb/hello-file"])
+    assert again["reused"] is True and again["collected_at"] == first["collected_at"]
+    s3.rm(first["uri"])  # the stored trajectories are gone: the stored result is not trusted
+    third = collect(["tb/hello-file"])
+    assert third["reused"] is False and third["collected_at"] > first["collected_at"]
+    s3.invalidate_cache()
+    assert s3.exists(third["uri"])
+    s3.rm(third["uri"])
+
+
 def _evaluate_in_subprocess(config, version: int) -> dict:
     """Run the evaluate flow in a fresh process (its own engine, in the config's dtype) on this Prefect server."""
     import os
