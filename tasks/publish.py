@@ -103,11 +103,11 @@ def load_direct(config: RunConfig, export_dir: str, version: int, files: dict | 
     with DirectSource(Path(export_dir), host=config.publish.host) as source:
         start = time.monotonic()
         try:
-            if hasattr(rt.engine, "load_weights_direct"):  # servers: each replica pulls, then drain + apply
-                timing: dict = {}
-                rt.apply_weights(lambda: _direct_servers(rt.engine, source.url, files, version, timing), version)
+            if hasattr(rt.engine, "stage_direct"):  # servers: each replica pulls while serving, then drain + apply
+                transfer_s = rt.engine.stage_direct(source.url, files, version)
+                pause_s = rt.apply_weights(lambda: rt.engine.apply_staged(version), version)
                 rt.policy_version = version
-                return {"version": version, "refused": "", **timing}
+                return {"version": version, "pause_s": pause_s, "transfer_s": transfer_s, "refused": ""}
             local = pull(source.url, files, work_dir(config.run_id) / f"v{version}")
         except CheckpointError as e:
             return _refused(config, source.url, e)
@@ -115,12 +115,6 @@ def load_direct(config: RunConfig, export_dir: str, version: int, files: dict | 
     pause_s = rt.load_weights(str(local), version)
     rt.policy_dir, rt.policy_version = str(local), version
     return {"version": version, "pause_s": pause_s, "transfer_s": transfer_s, "refused": ""}
-
-
-def _direct_servers(engine, url: str, files: dict, version: int, timing: dict) -> float:
-    out = engine.load_weights_direct(url, files, version)
-    timing.update(out)
-    return out["pause_s"]
 
 
 @task(name="load_colocated", cache_policy=NO_CACHE)

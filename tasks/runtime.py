@@ -7,6 +7,7 @@ per run id, created on first use.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ class Runtime:
     _engine: object = None
     _trainer: object = None
     _scheduler: object = None
+    _owns_servers: bool = False
 
     @property
     def backend(self):
@@ -85,12 +87,25 @@ class Runtime:
         An engine already running keeps its dtype: callers compare ``engine.dtype`` with what they need.
         """
         if self._engine is None:
-            from infra.rollout.engine import VLLMEngine
+            m, r = self.config.model, self.config.rollout
+            if r.engine == "servers":
+                from transformers import AutoTokenizer
 
-            m = self.config.model
-            self._engine = VLLMEngine(self.policy_dir, dtype=dtype, max_model_len=m.max_model_len,
-                                      kv_cache_gib=m.kv_cache_gib, seed=self.config.rollout.seed,
-                                      policy_version=self.policy_version)
+                from infra.rollout.servers import ServerEngine, start_servers
+
+                servers = start_servers(self.policy_dir, r.servers, work_dir(self.config.run_id) / "vllm-logs",
+                                        dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
+                                        seed=r.seed, threads=r.server_threads)
+                self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self.policy_dir), r.routing,
+                                            policy_version=self.policy_version)
+                self._owns_servers = True
+                atexit.register(self._engine.close, stop_servers=True)  # the CLI's process ends: stop them
+            else:
+                from infra.rollout.engine import VLLMEngine
+
+                self._engine = VLLMEngine(self.policy_dir, dtype=dtype, max_model_len=m.max_model_len,
+                                          kv_cache_gib=m.kv_cache_gib, seed=r.seed,
+                                          policy_version=self.policy_version)
         return self._engine
 
     @property
@@ -200,3 +215,5 @@ def close_runtime(run_id: str) -> None:
     rt = _RUNTIMES.pop(run_id, None)
     if rt is not None and rt._sandbox_pool is not None:
         rt._sandbox_pool.close()
+    if rt is not None and rt._owns_servers:
+        rt._engine.close(stop_servers=True)

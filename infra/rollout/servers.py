@@ -157,6 +157,9 @@ class ServerEngine:
         self._requests_in_flight = 0
         self.replica = "router"
         self.idle_s = 0.0
+        self.generated_tokens = 0  # tokens sampled so far, all replicas
+        self.busy_s = 0.0  # seconds with at least one request in flight on some replica
+        self._busy_since: float | None = None
 
     @property
     def policy_version(self) -> int:
@@ -196,6 +199,8 @@ class ServerEngine:
             while self._updating:
                 self._gate.wait()
             self._requests_in_flight += 1
+            if self._requests_in_flight == 1:
+                self._busy_since = time.monotonic()
         try:
             route = self.router.route(trajectory_id)
             replica = route.__enter__()
@@ -217,6 +222,8 @@ class ServerEngine:
             self._done_request()
         choice = resp.json()["choices"][0]
         token_ids = list(choice["token_ids"])
+        with self._gate:
+            self.generated_tokens += len(token_ids)
         lps = [float(x) if x is not None else float("nan") for x in choice["logprobs"]["token_logprobs"]]
         stop = "length" if choice.get("finish_reason") == "length" else "stop"
         return Sample(token_ids, lps, version, stop, choice["text"], replica)
@@ -224,6 +231,9 @@ class ServerEngine:
     def _done_request(self) -> None:
         with self._gate:
             self._requests_in_flight -= 1
+            if self._requests_in_flight == 0 and self._busy_since is not None:
+                self.busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
             self._gate.notify_all()
 
     def finish(self, trajectory_id: str) -> None:
@@ -247,19 +257,24 @@ class ServerEngine:
 
     def load_weights_direct(self, base_url: str, files: dict[str, dict], policy_version: int,
                             timeout_s: float = 600.0) -> dict[str, float]:
-        """Direct publication: every live replica pulls the checkpoint from ``base_url`` and verifies it, then loads.
-
-        The pull runs on a thread inside each server's worker, so replicas keep serving while the
-        bytes move; only the apply drains requests (as :meth:`load_weights`). ``files`` is the
-        manifest's ``files`` (sha256 and size per file).
+        """Direct publication: :meth:`stage_direct`, then :meth:`apply_staged`.
 
         Returns:
             ``{"transfer_s", "pause_s"}``: seconds spent pulling and verifying, and the apply pause.
+        """
+        transfer_s = self.stage_direct(base_url, files, policy_version, timeout_s)
+        return {"transfer_s": transfer_s, "pause_s": self.apply_staged(policy_version)}
+
+    def stage_direct(self, base_url: str, files: dict[str, dict], policy_version: int,
+                     timeout_s: float = 600.0) -> float:
+        """Every live replica pulls the checkpoint from ``base_url`` and verifies it; returns the seconds taken.
+
+        The pull runs on a thread inside each server's worker, so replicas keep serving while the
+        bytes move. ``files`` is the manifest's ``files`` (sha256 and size per file).
 
         Raises:
-            CheckpointError: a replica could not fetch a file or found it differs from the manifest.
-                Nothing is applied on any replica: all keep serving the version they have.
-            httpx.HTTPError: as :meth:`load_weights`, for the apply.
+            CheckpointError: a replica could not fetch a file or found it differs from the manifest,
+                or did not finish in ``timeout_s``. Nothing is applied on any replica.
         """
         from infra.checkpoint import CheckpointError
 
@@ -285,10 +300,16 @@ class ServerEngine:
                         errors.append(f"{url}: {state['error']}")
         if errors:
             raise CheckpointError(f"direct publication of v{policy_version} refused: " + "; ".join(errors))
-        transfer_s = time.monotonic() - start
-        pause_s = self._apply_each({"method": "apply_staged_weights", "kwargs": {"version": str(policy_version)}},
-                                   policy_version)
-        return {"transfer_s": transfer_s, "pause_s": pause_s}
+        return time.monotonic() - start
+
+    def apply_staged(self, policy_version: int) -> float:
+        """Drain, load the staged (verified) version on every live replica, resume; returns the apply pause in s.
+
+        Raises:
+            httpx.HTTPError: as :meth:`load_weights` (e.g. a replica had nothing staged).
+        """
+        return self._apply_each({"method": "apply_staged_weights", "kwargs": {"version": str(policy_version)}},
+                                policy_version)
 
     def _apply_each(self, rpc: dict, policy_version: int) -> float:
         """Drain, run ``rpc`` (a ``/collective_rpc`` body) on each live replica, reset its prefix cache, resume.
@@ -334,10 +355,13 @@ class ServerEngine:
                     total[key] += float(m.group(1))
         return total
 
-    def close(self) -> None:
-        """Close the HTTP client (servers are stopped by their owner)."""
+    def close(self, stop_servers: bool = False) -> None:
+        """Close the HTTP client; stop the servers too when this engine owns them."""
         self._pool.shutdown(wait=False)
         self._client.close()
+        if stop_servers:
+            for s in self.servers.values():
+                s.stop()
 
 
 def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float32", max_model_len: int = 2048,
