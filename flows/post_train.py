@@ -27,7 +27,7 @@ from tasks.policy import prepare_policy
 from tasks.publish import export_weights, hot_load, load_colocated, load_direct, publish_checkpoint
 from tasks.rollouts import rollouts_for_step
 from tasks.runtime import artifact_key, run_uri, runtime
-from tasks.train import train_step
+from tasks.train import save_trainer_state, train_step
 
 DEFAULT_CONFIG = RunConfig()
 
@@ -66,8 +66,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
                                      runtime(config).policy_version)
         t2 = time.monotonic()
         metrics = train_step(config, rollouts["uri"])
-        t3 = time.monotonic()
         version = step + 1
+        state_s = save_trainer_state(config, version) if config.train.save_optimizer_state else 0.0
+        t3 = time.monotonic()
         ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
         if upload is not None:
             upload.result()  # the previous version's background upload (raises if it failed)
@@ -91,6 +92,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "ratio_p05": metrics["ratio_p05"], "ratio_p95": metrics["ratio_p95"],
             "tis_capped_frac": metrics["tis_capped_frac"], "tis_masked_frac": metrics["tis_masked_frac"],
             "rows_with_signal": metrics["rows_with_signal"], "optimizer_step": metrics["optimizer_step"],
+            "trainer_state_s": round(state_s, 2), "trainer_state_restored": runtime(config).trainer_restored,
             "checkpoint": ckpt, "policy_version": loaded["version"], "publish_pattern": config.publish.pattern,
             "publish_latency_s": round(t4 - t3, 3), "reload_pause_s": round(loaded["pause_s"], 3),
             "publish_transfer_s": round(loaded["transfer_s"], 3), "checkpoint_refused": loaded["refused"],

@@ -156,6 +156,10 @@ class TrainConfig(_Strict):
     """Leave completions stopped by length out of the loss."""
     max_seq_len: int = Field(2048, ge=16, le=32768)
     """Rows longer than this are cut (tokens past it get no gradient)."""
+    save_optimizer_state: bool = True
+    """Save the trainer's full state (weights, AdamW moments, counters; a DeepSpeed checkpoint) after
+    each step, in the run's local work dir (only the newest is kept), so a resumed run continues
+    with its optimizer state. Off: a resumed run starts the optimizer fresh from the checkpoint."""
 
 
 class EvalConfig(_Strict):

@@ -54,6 +54,8 @@ class Runtime:
     _trainer: object = None
     _scheduler: object = None
     _owns_servers: bool = False
+    trainer_state: tuple = ()  # (folder, tag) of a saved trainer state to restore when the trainer starts
+    trainer_restored: str = ""  # the tag restored, if any
 
     @property
     def backend(self):
@@ -124,6 +126,11 @@ class Runtime:
                                         baseline=t.baseline, divergence_threshold=t.divergence_threshold,
                                         divergence_estimator=t.divergence_estimator,
                                         divergence_action=t.divergence_action)
+            if self.trainer_state:  # a resumed run: weights and AdamW moments as they were after that step
+                folder, tag = self.trainer_state
+                self._trainer.load_state(Path(folder), tag)
+                self.trainer_restored = tag
+                logging.getLogger(__name__).info("trainer state %s restored from %s", tag, folder)
         return self._trainer
 
     @property

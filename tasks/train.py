@@ -39,3 +39,30 @@ def train_step(config: RunConfig, trajectories_uri: str) -> dict:
     sampled = [r["min_policy_version"] for r in rows if r["min_policy_version"] >= 0]
     metrics["policy_lag_max"] = float(rt.policy_version - min(sampled)) if sampled else 0.0
     return metrics
+
+
+def trainer_state_dir(config: RunConfig):
+    """Local folder of the run's saved trainer states (``$AGENTRL_STATE/work/{run_id}/trainer-state``)."""
+    from tasks.runtime import work_dir
+
+    return work_dir(config.run_id) / "trainer-state"
+
+
+@task(name="save_trainer_state", cache_policy=NO_CACHE)
+def save_trainer_state(config: RunConfig, version: int) -> float:
+    """Save the trainer's state under tag ``v{version}`` (the weights of checkpoint vN) and drop older tags.
+
+    Returns the seconds taken. Called before checkpoint vN is published, so a published version
+    has its state unless the machine changed (then a resume starts the optimizer fresh).
+    """
+    import shutil
+    import time
+
+    rt = runtime(config)
+    root = trainer_state_dir(config)
+    start = time.monotonic()
+    rt.trainer.save_state(root, f"v{version}")
+    for old in root.iterdir():
+        if old.is_dir() and old.name != f"v{version}":
+            shutil.rmtree(old, ignore_errors=True)
+    return time.monotonic() - start

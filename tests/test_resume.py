@@ -76,3 +76,8 @@ enabled = false
     assert len(ids) == len(set(ids))  # no duplicate rows
     by_step = dict(zip(hist.column("step").to_pylist(), hist.column("min_policy_version").to_pylist(), strict=True))
     assert by_step == {0: 0, 1: 1}  # step 1 was sampled by the resumed policy v1
+    # the trainer continued from the state saved with v1 (AdamW moments included), not a fresh optimizer
+    import json
+
+    resumed = json.loads(s3.cat_file(f"{root}/summaries/step-000001.json"))
+    assert resumed["trainer_state_restored"] == "v1" and resumed["policy_version"] == 2
