@@ -288,12 +288,11 @@ def _mounted(path: Path) -> bool:
 def _btrfs_data_root() -> Path | None:
     """Mount (creating it once) the btrfs data root with quotas enabled; None when it cannot be had.
 
-    Opt-in with ``AGENTRL_DOCKER_QUOTA=1`` (default off: in CI a dockerd restart on btrfs left a
-    container that could not be removed, "Failed to delete btrfs qgroup ... device or resource
-    busy"). Any failure (no loop device, no btrfs in the kernel, no btrfs-progs) falls back to
-    overlay2 without per-sandbox disk limits, with a warning.
+    On by default; ``AGENTRL_DOCKER_QUOTA=0`` keeps dockerd on overlay2 (faster cold starts, no
+    per-sandbox disk limit). Any failure (no loop device, no btrfs in the kernel, no btrfs-progs)
+    falls back to overlay2 without per-sandbox disk limits, with a warning.
     """
-    if os.environ.get("AGENTRL_DOCKER_QUOTA", "0") != "1":
+    if os.environ.get("AGENTRL_DOCKER_QUOTA", "1") != "1":
         return None
     try:
         if not _mounted(BTRFS_ROOT):

@@ -82,7 +82,8 @@ def test_tmp_fill_is_bounded_and_host_files_invisible(boxes, backend):
 
 def test_disk_fill_is_bounded(boxes, backend):
     if not backend.disk_quota:
-        pytest.skip("the engine enforces no per-container size (AGENTRL_DOCKER_QUOTA=1 make up sets up btrfs)")
+        pytest.skip("the engine enforces no per-container size (make up was run with AGENTRL_DOCKER_QUOTA=0, "
+                    "or btrfs was unavailable: see make up's warning)")
     box = boxes(disk_mb=200)
     r = box.exec("dd if=/dev/zero of=/app/fill bs=1M count=1024 2>&1; sync", 120)
     assert "Disk quota exceeded" in r.output or "No space left on device" in r.output, r.output
