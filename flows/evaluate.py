@@ -15,7 +15,7 @@ import sys
 
 from prefect import flow, get_run_logger
 
-from infra.checkpoint import checkpoint_uri, published_versions
+from infra.checkpoint import CheckpointError, checkpoint_uri, published_versions
 from infra.config import RunConfig
 from infra.evaluate import eval_precision
 from tasks.evaluate import eval_settings
@@ -44,6 +44,7 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
         PrecisionMismatch: ``eval.dtype`` is not the serving dtype and the mismatch is not allowed
             (checked before anything loads).
         ValueError: the run has no published checkpoint, or not that version.
+        CheckpointError: the checkpoint fails verification against its manifest (nothing is evaluated).
     """
     dtype, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
                                      config.eval.allow_precision_mismatch)
@@ -59,17 +60,22 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
     rt.fs.invalidate_cache()
     if rt.fs.exists(report_uri):
         stored = json.loads(rt.fs.cat_file(report_uri))
-        same = stored.get("dtype") == dtype and stored.get("settings") == eval_settings(config)
+        same = (stored.get("dtype") == dtype and stored.get("settings") == eval_settings(config)
+                and stored.get("version") == version)
         if same and not force:
             print(f"{report_uri}: up to date ({dtype}, same settings); not re-evaluated")
             return {**stored, "reused": True}
         reason = ("forced" if same else f"dtype {stored.get('dtype')} -> {dtype}" if stored.get("dtype") != dtype
+                  else f"version {stored.get('version')} -> {version}" if stored.get("version") != version
                   else f"settings {stored.get('settings')} -> {eval_settings(config)}")
         if stored.get("dtype") != dtype:  # keep the report of the old serving precision
             rt.fs.copy(report_uri, f"{ckpt}/eval-served-{stored.get('dtype')}.json")
         get_run_logger().info("re-evaluating v%d: %s", version, reason)
-    if rt.policy_dir and rt._engine is not None:
-        hot_load(config, ckpt)  # an engine already serves in this process: load the version into it
+    if rt.policy_dir and rt._engine is not None:  # an engine already serves in this process: load the version
+        loaded = hot_load(config, ckpt)
+        if loaded["refused"]:
+            raise CheckpointError(f"{ckpt}: refused, not evaluated (the engine still serves v{loaded['version']}): "
+                                  f"{loaded['refused']}")
     else:
         from infra.checkpoint import fetch
 

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.checkpoint import checkpoint_uri
 from infra.config import ConfigError, RunConfig, load_config
-from infra.evaluate import PrecisionMismatch, eval_precision
+from infra.evaluate import PrecisionMismatch
 from infra.report import render_report
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
 from tasks.difficulty import refresh_difficulty
@@ -44,12 +44,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     straggler_tail_s, engine_idle_s, generation_tokens_per_s, groups_carried_in, groups_dropped,
     policy_lag_hist (lag in versions -> groups).
     """
-    if config.eval.enabled:  # the in-process engine evaluates in the serving precision only
-        _, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
-                                     config.eval.allow_precision_mismatch)
-        if mismatch:
-            raise PrecisionMismatch(f"eval.dtype={config.eval.dtype}: post_train evaluates with its serving engine "
-                                    f"({config.model.serving_dtype}); evaluate other precisions with flows.evaluate")
+    if config.eval.enabled and config.eval.dtype not in ("serving", config.model.serving_dtype):
+        raise PrecisionMismatch(f"eval.dtype={config.eval.dtype}: post_train evaluates with its serving engine "
+                                f"({config.model.serving_dtype}); evaluate other precisions with flows.evaluate")
     catalog_uri = build_envs(config)
     materialize_task_images(config, catalog_uri)
     policy = prepare_policy(config)
@@ -62,8 +59,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         t1 = time.monotonic()
         traj_uri = f"s3://{s.bucket}/{s.prefix}/{config.run_id}/trajectories/step-{step:06d}.parquet"
         deps = task_image_assets(config, catalog_uri, selection["chosen"])
-        rollouts = rollouts_for_step(config, catalog_uri, selection["chosen"], step, deps,
-                                     runtime(config).policy_version)
+        rollouts = rollouts_for_step(config, catalog_uri, selection["chosen"], step, deps, policy["version"])
         t2 = time.monotonic()
         metrics = train_step(config, rollouts["uri"])
         version = step + 1
@@ -72,10 +68,11 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
         if upload is not None:
             upload.result()  # the previous version's background upload (raises if it failed)
+        t_publish = time.monotonic()
         loaded, upload = publish_version(config, ckpt, version, step, traj_uri)
         t4 = time.monotonic()
         report = None
-        if config.eval.enabled:
+        if config.eval.enabled and not loaded["refused"]:  # a refused version was not loaded: nothing to evaluate
             previous = f"{checkpoint_uri(s.bucket, s.prefix, config.run_id, version - 1)}/eval.json"
             report = as_asset(evaluate, f"{ckpt}/eval.json", [ckpt])(config, catalog_uri, f"{ckpt}/eval.json",
                                                                     previous)
@@ -94,7 +91,8 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
             "rows_with_signal": metrics["rows_with_signal"], "optimizer_step": metrics["optimizer_step"],
             "trainer_state_s": round(state_s, 2), "trainer_state_restored": runtime(config).trainer_restored,
             "checkpoint": ckpt, "policy_version": loaded["version"], "publish_pattern": config.publish.pattern,
-            "publish_latency_s": round(t4 - t3, 3), "reload_pause_s": round(loaded["pause_s"], 3),
+            "publish_latency_s": round(t4 - t_publish, 3), "upload_wait_s": round(t_publish - t3, 3),
+            "reload_pause_s": round(loaded["pause_s"], 3),
             "publish_transfer_s": round(loaded["transfer_s"], 3), "checkpoint_refused": loaded["refused"],
             "eval_pass_at_1": report.get("pass_at_1") if report else None,
             "eval_pass_at_k": report["pass_at_k"] if report else {},

@@ -13,6 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 from prefect import get_run_logger, task
 from prefect.assets import add_asset_metadata
 from prefect.cache_policies import NO_CACHE
@@ -105,7 +106,14 @@ def load_direct(config: RunConfig, export_dir: str, version: int, files: dict | 
         try:
             if hasattr(rt.engine, "stage_direct"):  # servers: each replica pulls while serving, then drain + apply
                 transfer_s = rt.engine.stage_direct(source.url, files, version)
-                pause_s = rt.apply_weights(lambda: rt.engine.apply_staged(version), version)
+                start = time.monotonic()
+                try:
+                    pause_s = rt.apply_weights(lambda: rt.engine.apply_staged(version), version)
+                except httpx.HTTPError as e:  # failed replicas are out of rotation; the others serve the version
+                    if not rt.engine.router.live:
+                        raise
+                    get_run_logger().warning("v%d applied on the surviving replicas only: %s", version, e)
+                    pause_s = time.monotonic() - start
                 rt.policy_version = version
                 return {"version": version, "pause_s": pause_s, "transfer_s": transfer_s, "refused": ""}
             local = pull(source.url, files, work_dir(config.run_id) / f"v{version}")

@@ -105,7 +105,7 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
     r = config.rollout
     sched = rt.scheduler
     sched.runner.bind(config.run_id, step, images)
-    backlog = sched.pending + sched.in_flight + len(sched.bank)
+    backlog = sched.pending + sched.in_flight + sched.bank.eligible(sched.policy_version)  # stale ones never train
     room = max(0, sched.K - backlog)
     chosen = [(f"{config.run_id}/{step}/{t}", rt.tasks[t]) for t in task_ids]
     extra = [(f"{config.run_id}/{step}/{t}/x{k}", rt.tasks[t])
@@ -143,12 +143,15 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
 
 
 def rollouts_for_step(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int, deps: list[str],
-                      policy_version: int) -> dict:
+                      resumed_version: int) -> dict:
     """The step's rollouts: reused from an earlier attempt of this step when still valid, else collected.
 
-    A reused result is trusted only if its Parquet file still exists with the same size and no row
-    was sampled by a version newer than ``policy_version`` (the one now served); otherwise it is
-    collected again (``refresh_cache``), overwriting the stored result. ``rollouts["reused"]`` says which.
+    A reused result is trusted only if it names this step's file, the file still exists with the
+    same size, and every row was sampled by a version no newer than ``resumed_version`` (the newest
+    version published when this process resumed the run: its weights are fixed by a manifest, so
+    the version number names exactly the weights that sampled). Rows from a version published
+    later, or never (a background upload lost in the crash), are collected again
+    (``refresh_cache``), overwriting the stored result. ``rollouts["reused"]`` says which.
     """
     from tasks.lineage import as_asset
 
@@ -159,8 +162,8 @@ def rollouts_for_step(config: RunConfig, catalog_uri: str, task_ids: list[str], 
         return {**result, "reused": False}
     fs = runtime(config).fs
     fs.invalidate_cache()
-    if fs.exists(result["uri"]) and fs.size(result["uri"]) == result["bytes"] \
-            and result.get("max_policy_version", policy_version + 1) <= policy_version:
+    if result["uri"] == traj_uri and fs.exists(traj_uri) and fs.size(traj_uri) == result["bytes"] \
+            and result.get("max_policy_version", resumed_version + 1) <= resumed_version:
         return {**result, "reused": True}
     result = as_asset(collect_rollouts.with_options(refresh_cache=True), traj_uri, deps)(
         config, catalog_uri, task_ids, step)

@@ -128,9 +128,13 @@ class Runtime:
                                         divergence_action=t.divergence_action)
             if self.trainer_state:  # a resumed run: weights and AdamW moments as they were after that step
                 folder, tag = self.trainer_state
-                self._trainer.load_state(Path(folder), tag)
-                self.trainer_restored = tag
-                logging.getLogger(__name__).info("trainer state %s restored from %s", tag, folder)
+                try:
+                    self._trainer.load_state(Path(folder), tag)
+                    self.trainer_restored = tag
+                    logging.getLogger(__name__).info("trainer state %s restored from %s", tag, folder)
+                except Exception as e:  # e.g. saved with another zero_stage: weights stay the checkpoint's
+                    logging.getLogger(__name__).warning("trainer state %s in %s not restored (%s: %s); the "
+                                                        "optimizer starts fresh", tag, folder, type(e).__name__, e)
         return self._trainer
 
     @property

@@ -50,10 +50,11 @@ def trainer_state_dir(config: RunConfig):
 
 @task(name="save_trainer_state", cache_policy=NO_CACHE)
 def save_trainer_state(config: RunConfig, version: int) -> float:
-    """Save the trainer's state under tag ``v{version}`` (the weights of checkpoint vN) and drop older tags.
+    """Save the trainer's state under tag ``v{version}`` (the weights of checkpoint vN); keep the newest two tags.
 
-    Returns the seconds taken. Called before checkpoint vN is published, so a published version
-    has its state unless the machine changed (then a resume starts the optimizer fresh).
+    Returns the seconds taken. Called before checkpoint vN is published; the previous tag is kept
+    until the next save, so the newest *published* version still has its state if this run dies
+    before vN's manifest lands (a resume on another machine starts the optimizer fresh).
     """
     import shutil
     import time
@@ -62,7 +63,7 @@ def save_trainer_state(config: RunConfig, version: int) -> float:
     root = trainer_state_dir(config)
     start = time.monotonic()
     rt.trainer.save_state(root, f"v{version}")
-    for old in root.iterdir():
-        if old.is_dir() and old.name != f"v{version}":
-            shutil.rmtree(old, ignore_errors=True)
+    tags = sorted((p for p in root.iterdir() if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    for old in tags[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
     return time.monotonic() - start

@@ -286,8 +286,8 @@ def test_colocated_and_direct_publication_serve_the_trainers_weights(finished_ru
         refused = load_direct(config, export_dir, 102, files=files)
         assert refused["version"] == 101 and "does not match the manifest" in refused["refused"]
         assert engine.policy_version == 101 and rt.policy_version == 101
-    finally:
-        engine.load_weights(served_dir, served)
+    finally:  # through the update policy, so the run's scheduler serves `served` again too
+        rt.apply_weights(lambda: engine.load_weights(served_dir, served), served)
         rt.policy_dir, rt.policy_version = served_dir, served
 
 

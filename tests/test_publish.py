@@ -37,11 +37,24 @@ def test_corrupt_or_missing_file_is_refused_and_nothing_left(export, tmp_path):
         assert not (tmp_path / "dest").exists()
 
 
-def test_source_serves_only_its_own_files(export, tmp_path):
-    import httpx
+def _raw_get(url: str, path: str) -> bytes:
+    """A GET sent byte for byte (an HTTP client would normalise ``..`` away before sending)."""
+    import socket
+    from urllib.parse import urlsplit
 
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_source_serves_only_its_own_files(export, tmp_path):
     (tmp_path / "secret").write_text("x")
     with DirectSource(export) as source:
-        assert httpx.get(f"{source.url}/../secret").status_code == 404
-        assert httpx.get(f"{source.url}/").status_code == 404
-        assert httpx.get(f"{source.url}/config.json").text == '{"a": 1}'
+        for path in ("/../secret", "/%2e%2e/secret", "/", "/export/config.json"):
+            assert _raw_get(source.url, path).startswith(b"HTTP/1.0 404"), path
+        ok = _raw_get(source.url, "/config.json")
+        assert ok.startswith(b"HTTP/1.0 200") and ok.endswith(b'{"a": 1}')

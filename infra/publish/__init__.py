@@ -2,17 +2,19 @@
 
 - ``storage``: checkpoint files and a manifest go to S3 (manifest last); the engine fetches them,
   verifies every file's size and sha256 against the manifest, and hot-loads.
-- ``direct``: the trainer serves its exported safetensors folder and manifest over HTTP
-  (:class:`DirectSource`); the engine pulls the bytes straight from it, verifies them against the
-  manifest, and loads. No object store on the path; the S3 checkpoint is uploaded in the background.
+- ``direct``: the trainer serves its exported safetensors folder over HTTP (:class:`DirectSource`)
+  and hands the engine the manifest's file list (sha256 and size per file); the engine pulls the
+  bytes straight from the trainer, verifies them (:func:`pull`), and loads. No object store on the
+  path; the S3 checkpoint is uploaded in the background.
 - ``colocated``: trainer and an in-process engine share the machine; the engine loads the trainer's
-  float32 tensors from memory (``reload_weights(weights_iterator=...)``). No files on the path;
-  the S3 checkpoint is uploaded in the background.
+  float32 tensors from memory (``reload_weights(weights_iterator=...)``). No checkpoint files on the
+  path (with a bf16 forward or ZeRO-3 the trainer gathers its fp32 weights through a temporary
+  DeepSpeed checkpoint); the S3 checkpoint is uploaded in the background.
 
 Every pattern reports the **publication latency** (trainer step done → weights usable by the
 engine) apart from the **apply pause** (the time the engine serves nothing). A checkpoint that
 fails verification is refused: the engine keeps serving the version it has and the refusal is
-returned (``Publication.refused``).
+returned (``"refused"`` in the load result of ``tasks.publish``).
 """
 
 from __future__ import annotations

@@ -308,27 +308,43 @@ class ServerEngine:
         from infra.checkpoint import CheckpointError
 
         start = time.monotonic()
-        live = list(self.router.live)
-        for url in live:
-            self._client.post(url + "/collective_rpc", json={
-                "method": "stage_weights_from_url",
-                "kwargs": {"base_url": base_url, "files_json": json.dumps(files), "version": str(policy_version)},
-            }).raise_for_status()
-        pending, errors = set(live), []
+        pending, errors = set(), []
+
+        def rpc(url: str, body: dict) -> dict | None:
+            """``/collective_rpc`` on one replica; an unreachable or failing one is taken out of rotation."""
+            try:
+                resp = self._client.post(url + "/collective_rpc", json=body)
+                resp.raise_for_status()
+                return resp.json() if resp.content else {}
+            except httpx.HTTPError as err:
+                log.warning("direct publication: replica %s failed (%s: %s); taken out of rotation", url,
+                            type(err).__name__, err)
+                self.router.mark_dead(url)
+                pending.discard(url)
+                return None
+
+        stage = {"method": "stage_weights_from_url",
+                 "kwargs": {"base_url": base_url, "files_json": json.dumps(files), "version": str(policy_version)}}
+        for url in list(self.router.live):
+            if rpc(url, stage) is not None:
+                pending.add(url)
+        if not pending:
+            raise CheckpointError(f"direct publication of v{policy_version}: no live replica took the transfer")
         while pending:
             if time.monotonic() - start > timeout_s:
                 raise CheckpointError(f"{base_url}: replicas {sorted(pending)} did not finish pulling in {timeout_s} s")
             time.sleep(0.2)
             for url in sorted(pending):
-                resp = self._client.post(url + "/collective_rpc", json={"method": "staged_weights"})
-                resp.raise_for_status()
-                state = resp.json()["results"][0]
+                out = rpc(url, {"method": "staged_weights"})
+                state = (out or {}).get("results", [{}])[0] if out is not None else {}
                 if state.get("done"):
                     pending.discard(url)
                     if state.get("error"):
                         errors.append(f"{url}: {state['error']}")
         if errors:
             raise CheckpointError(f"direct publication of v{policy_version} refused: " + "; ".join(errors))
+        if not self.router.live:
+            raise CheckpointError(f"direct publication of v{policy_version}: every replica failed during the pull")
         return time.monotonic() - start
 
     def apply_staged(self, policy_version: int) -> float:

@@ -30,12 +30,16 @@ class WeightReload:
         """
         import json
         import os
+        import shutil
         import tempfile
         import threading
         from pathlib import Path
 
         from infra.publish import pull
 
+        previous = getattr(self, "_agentrl_staged", {})
+        if previous.get("path"):  # a staging never applied (a refused publication): drop its copy
+            shutil.rmtree(previous["path"], ignore_errors=True)
         dest = Path(tempfile.gettempdir()) / f"agentrl-staged-{os.getpid()}-v{int(version)}"
         state = {"version": int(version), "path": str(dest), "done": False, "error": ""}
         self._agentrl_staged = state
