@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.trainer_throughput import synthetic_rows
-    from infra.checkpoint import fetch, publish
+    from infra.checkpoint import fetch, file_entries, publish
     from infra.model import resolve_model
-    from infra.publish import DirectSource, file_entries, pull
+    from infra.publish import DirectSource, pull
     from infra.rollout.engine import VLLMEngine
     from infra.storage import s3_filesystem
     from infra.train.trainer import GRPOTrainer

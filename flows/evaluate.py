@@ -94,25 +94,13 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``--config``, ``--run-id``, ``--version``, ``--force``."""
-    import argparse
+    """CLI: ``--config``, ``--run-id``, ``--version``, ``--force``; prints the report without per-task rows."""
+    from flows.cli import run_flow_cli
 
-    from infra.config import ConfigError, load_config
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
-    parser.add_argument("--run-id", default=None, help="override config run_id")
-    parser.add_argument("--version", type=int, default=None, help="checkpoint version (default: newest)")
-    parser.add_argument("--force", action="store_true", help="re-evaluate even if an up-to-date report exists")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, **({"run_id": args.run_id} if args.run_id else {}))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    report = evaluate(config, version=args.version, force=args.force)
-    print(json.dumps({k: v for k, v in report.items() if k != "per_task"}))
-    return 0
+    options = [("--version", {"type": int, "default": None, "help": "checkpoint version (default: newest)"}),
+               ("--force", {"action": "store_true", "help": "re-evaluate even if an up-to-date report exists"})]
+    return run_flow_cli(evaluate, __doc__, argv, options,
+                        show=lambda r: print(json.dumps({k: v for k, v in r.items() if k != "per_task"})))
 
 
 if __name__ == "__main__":

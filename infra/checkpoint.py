@@ -29,6 +29,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_entries(folder: Path) -> dict[str, dict]:
+    """``{file name: {"sha256", "size"}}`` for every file of ``folder`` (the manifest's ``files``)."""
+    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
 def checkpoint_uri(bucket: str, prefix: str, run_id: str, version: int) -> str:
     """Folder URI of checkpoint version ``version``."""
     return f"s3://{bucket}/{prefix}/{run_id}/checkpoints/v{version}"
@@ -44,14 +50,12 @@ def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, st
     fs.invalidate_cache()
     if fs.exists(f"{uri}/{MANIFEST}"):
         raise CheckpointError(f"{uri}/{MANIFEST}: version {version} is already published; versions are never reused")
-    files = sorted(p for p in local_dir.iterdir() if p.is_file())
-    if not any(p.suffix == ".safetensors" for p in files):
+    entries = file_entries(local_dir)
+    if not any(name.endswith(".safetensors") for name in entries):
         raise CheckpointError(f"{local_dir}: no .safetensors file to publish")
     start = time.monotonic()
-    entries = {}
-    for p in files:
-        fs.put_file(str(p), f"{uri}/{p.name}")
-        entries[p.name] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    for name in entries:
+        fs.put_file(str(local_dir / name), f"{uri}/{name}")
     manifest = {"version": version, "parent_version": parent_version, "step": step, "dtype": dtype,
                 "files": entries, "published_at": time.time(), "upload_s": time.monotonic() - start}
     fs.pipe_file(f"{uri}/{MANIFEST}", json.dumps(manifest, indent=1).encode())

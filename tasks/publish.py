@@ -18,9 +18,9 @@ from prefect import get_run_logger, task
 from prefect.assets import add_asset_metadata
 from prefect.cache_policies import NO_CACHE
 
-from infra.checkpoint import CheckpointError, fetch, publish
+from infra.checkpoint import CheckpointError, fetch, file_entries, publish
 from infra.config import RunConfig
-from infra.publish import DirectSource, file_entries, pull
+from infra.publish import DirectSource, pull
 from tasks.runtime import runtime, work_dir
 
 

@@ -249,7 +249,7 @@ def _noisy(tiny_model, out):
 
 def test_colocated_and_direct_publication_serve_the_trainers_weights(finished_run, tiny_model, tmp_path):
     """Each pattern, from a very different served policy: afterwards the engine's logprobs are the trainer's."""
-    from infra.publish import file_entries
+    from infra.checkpoint import file_entries
     from infra.rollout.engine import SampleRequest
     from infra.train.mismatch import trainer_logprobs
     from tasks.publish import export_weights, load_colocated, load_direct

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.checkpoint import CheckpointError
-from infra.publish import DirectSource, file_entries, pull
+from infra.checkpoint import CheckpointError, file_entries
+from infra.publish import DirectSource, pull
 
 
 @pytest.fixture()

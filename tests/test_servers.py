@@ -108,8 +108,8 @@ def test_direct_publication_to_servers_loads_verified_bytes_or_refuses(servers, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from infra.checkpoint import CheckpointError
-    from infra.publish import DirectSource, file_entries
+    from infra.checkpoint import CheckpointError, file_entries
+    from infra.publish import DirectSource
     from infra.train.mismatch import trainer_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

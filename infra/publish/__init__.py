@@ -25,16 +25,10 @@ import threading
 from pathlib import Path
 from typing import Literal
 
-from infra.checkpoint import MANIFEST, CheckpointError, sha256_file
+from infra.checkpoint import CheckpointError, sha256_file
 
 PublishPattern = Literal["storage", "direct", "colocated"]
 PATTERNS: tuple[str, ...] = ("storage", "direct", "colocated")
-
-
-def file_entries(folder: Path) -> dict[str, dict]:
-    """``{file name: {"sha256", "size"}}`` for every file of ``folder`` (the manifest's ``files``)."""
-    return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
-            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 class DirectSource:
