@@ -19,11 +19,12 @@ Unknown keys are ignored, as Harbor ignores them. Not supported (load errors):
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
 
-from envs.task import Task, TaskError
+from envs.task import Task, TaskError, read_task_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _MB_PER_UNIT = {"": 1 / 2**20, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
@@ -51,7 +52,7 @@ def load_harbor_task(folder: Path) -> Task:
     """
     spec_path = folder / "task.toml"
     try:
-        spec = tomllib.loads(spec_path.read_text())
+        spec = tomllib.loads(read_task_text(spec_path))
     except FileNotFoundError as e:
         raise TaskError(f"{spec_path}: missing (a Harbor task needs task.toml)") from e
     except tomllib.TOMLDecodeError as e:
@@ -59,7 +60,7 @@ def load_harbor_task(folder: Path) -> Task:
     if (folder / "steps").is_dir():
         raise TaskError(f"{folder / 'steps'}: multi-step Harbor tasks are not supported")
     instruction_path = folder / "instruction.md"
-    if not instruction_path.is_file() or not instruction_path.read_text().strip():
+    if not instruction_path.is_file() or not read_task_text(instruction_path).strip():
         raise TaskError(f"{instruction_path}: missing or empty (the instruction the agent is given)")
     env_dir = folder / "environment"
     if (env_dir / "docker-compose.yaml").is_file():
@@ -81,7 +82,7 @@ def load_harbor_task(folder: Path) -> Task:
 
     def seconds(table: str, key: str, default: float) -> float:
         value = section(table).get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise TaskError(f"{spec_path}: field '{table}.{key}' must be a positive number of seconds, got {value!r}")
         return float(value)
 
@@ -110,7 +111,7 @@ def load_harbor_task(folder: Path) -> Task:
     return Task(
         task_id=f"harbor/{folder.name}",
         kind="terminal",
-        instruction=instruction_path.read_text().strip(),
+        instruction=read_task_text(instruction_path).strip(),
         build_context=env_dir,
         tests_dir=folder / "tests",
         agent_timeout_s=seconds("agent", "timeout_sec", 600.0),
@@ -121,7 +122,7 @@ def load_harbor_task(folder: Path) -> Task:
         task_format="harbor",
         verifier="harbor",
         dockerfile=dockerfile,
-        solution=solution.read_text() if solution.is_file() else None,
+        solution=read_task_text(solution) if solution.is_file() else None,
         allow_internet=allow_internet,
         cpus=float(cpus) if cpus is not None else None,
         memory_mb=memory_mb,

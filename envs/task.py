@@ -84,3 +84,18 @@ class Task:
 
 class TaskError(ValueError):
     """A task folder that cannot be loaded; the message names the file and what was expected."""
+
+
+def read_task_text(path: Path) -> str:
+    """A task file's text.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (callers name what the file is for).
+        TaskError: the file is not UTF-8 text or cannot be read; the message names the file.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: not UTF-8 text ({e})") from e
+    except (IsADirectoryError, PermissionError) as e:
+        raise TaskError(f"{path}: cannot be read ({e.strerror})") from e

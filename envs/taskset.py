@@ -40,8 +40,8 @@ def _load_entry(entry: Path, fmt: str) -> list[Task]:
         return [load_terminal_task(entry)]
     try:
         return load_humaneval(path=str(entry))
-    except (ValueError, KeyError) as e:  # json.JSONDecodeError is a ValueError
-        raise TaskError(f"{entry}: not a HumanEval-format JSONL ({e})") from e
+    except (ValueError, KeyError, OSError, EOFError) as e:  # JSONDecodeError/UnicodeDecodeError are ValueErrors
+        raise TaskError(f"{entry}: not a readable HumanEval-format JSONL ({type(e).__name__}: {e})") from e
 
 
 def load_taskset(path: str | Path) -> tuple[list[Task], list[str]]:
@@ -79,6 +79,8 @@ def load_taskset(path: str | Path) -> tuple[list[Task], list[str]]:
             tasks.extend(_load_entry(entry, fmt))
         except TaskError as e:
             errors.append(str(e))
+        except (OSError, ValueError) as e:  # an unreadable file (permissions, bytes that are not UTF-8)
+            errors.append(f"{entry}: cannot be read ({type(e).__name__}: {e})")
     if not tasks and not errors:
         raise TaskError(f"{root}: holds no task of a known format (Harbor, Terminal-Bench, HumanEval JSONL)")
     seen: set[str] = set()

@@ -17,11 +17,12 @@ the image's pytest under a hardened configuration (``envs/verify.py``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import yaml
 
-from envs.task import Task, TaskError
+from envs.task import Task, TaskError, read_task_text
 
 SUPPORTED_PARSERS = ("pytest",)
 
@@ -35,7 +36,7 @@ def _compose_dockerfile(folder: Path) -> str:
     """
     path = next(folder / n for n in ("docker-compose.yaml", "docker-compose.yml") if (folder / n).is_file())
     try:
-        spec = yaml.safe_load(path.read_text())
+        spec = yaml.safe_load(read_task_text(path))
     except yaml.YAMLError as e:
         raise TaskError(f"{path}: not valid YAML: {e}") from e
     services = spec.get("services") if isinstance(spec, dict) else None
@@ -73,7 +74,7 @@ def load_terminal_task(folder: Path) -> Task:
     if not spec_path.is_file():
         raise TaskError(f"{spec_path}: missing (a Terminal-Bench task needs task.yaml)")
     try:
-        spec = yaml.safe_load(spec_path.read_text())
+        spec = yaml.safe_load(read_task_text(spec_path))
     except yaml.YAMLError as e:
         raise TaskError(f"{spec_path}: not valid YAML: {e}") from e
     if not isinstance(spec, dict):
@@ -96,7 +97,7 @@ def load_terminal_task(folder: Path) -> Task:
 
     def seconds(key: str, default: float) -> float:
         value = spec.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise TaskError(f"{spec_path}: field '{key}' must be a positive number of seconds, got {value!r}")
         return float(value)
 
@@ -121,7 +122,7 @@ def load_terminal_task(folder: Path) -> Task:
         task_format="terminal-bench",
         verifier="pytest",
         dockerfile=dockerfile,
-        solution=solution.read_text() if solution.is_file() else None,
+        solution=read_task_text(solution) if solution.is_file() else None,
         setup_command=setup_command.strip(),
     )
 
@@ -143,4 +144,6 @@ def load_terminal_tasks(root: Path) -> tuple[list[Task], list[str]]:
             tasks.append(load_terminal_task(folder))
         except TaskError as e:
             errors.append(str(e))
+        except (OSError, ValueError) as e:  # an unreadable file (permissions, bytes that are not UTF-8)
+            errors.append(f"{folder}: cannot be read ({type(e).__name__}: {e})")
     return tasks, errors

@@ -32,4 +32,4 @@ def build_envs(config: RunConfig = DEFAULT_CONFIG) -> dict:
 if __name__ == "__main__":
     from flows.cli import run_flow_cli
 
-    sys.exit(run_flow_cli(build_envs, __doc__))
+    sys.exit(run_flow_cli(build_envs, __doc__, checks={"model": False}))

@@ -1,29 +1,116 @@
-"""The shared command line of the deployable flows: ``--config``, overrides, then run the flow."""
+"""The shared command line of the flows: ``--config``, overrides, a preflight of the run's inputs, then the flow.
+
+Every input a run needs is checked before torch, vLLM or Prefect start (seconds, not the minutes
+after which a flow would otherwise fail inside a task, retried): the config, the S3 endpoint and
+bucket, the Docker engine, the task sources, the model folder. A bad one prints a single
+``error: ...`` line naming the file, field or endpoint and exits 2; nothing has been written.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from infra.config import ConfigError, load_config
+from infra.config import ConfigError, RunConfig, load_config
+
+
+class RunInputError(ValueError):
+    """An input of the run (endpoint, engine, task source, model) cannot be used; the message names it."""
+
+
+def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tasks: bool = True) -> None:
+    """Check that the run's inputs are reachable and readable; writes nothing.
+
+    Args:
+        config: the run config.
+        docker: check the Docker engine (``DOCKER_HOST`` or the default socket) answers a ping.
+        model: check ``model.path`` is an HF model folder (or the built-in SmolLM2 name).
+        tasks: load the configured task sources (fatal errors only; a broken task is reported
+            by ``build_envs`` and does not stop the others).
+
+    Raises:
+        RunInputError: the first input that cannot be used, by name.
+    """
+    from infra.storage import StorageError, s3_filesystem
+
+    try:
+        s3_filesystem(config.storage.bucket)
+    except StorageError as e:
+        raise RunInputError(f"storage: {e}") from e
+    if docker:
+        import os
+
+        import docker as docker_sdk
+
+        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        try:
+            client = docker_sdk.from_env(timeout=10)
+            client.ping()
+            client.close()
+        except Exception as e:  # docker raises DockerException, requests' ConnectionError, OSError...
+            raise RunInputError(f"Docker engine at {where} not reachable (DOCKER_HOST): {e}; "
+                                "run `make up` and source .state/services.env") from e
+    if tasks:
+        from envs.task import TaskError
+        from tasks.runtime import load_run_tasks
+
+        try:
+            load_run_tasks(config)
+        except (TaskError, ValueError) as e:
+            raise RunInputError(f"tasks: {e}") from e
+    if model:
+        from infra.model import SMOLLM2, resolve_model
+
+        if config.model.path != SMOLLM2:  # the built-in one is prepared on first use
+            try:
+                resolve_model(config.model.path)
+            except FileNotFoundError as e:
+                raise RunInputError(str(e)) from e
 
 
 def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
-                 options: list[tuple[str, dict]] = (), show=print) -> int:
-    """Parse ``--config`` (before torch/vLLM load: fast, clear errors) and call ``flow_fn(config, **extra)``.
+                 options: list[tuple[str, dict]] = (), show=lambda result, config: print(result),
+                 config_options: list[tuple[str, str, dict]] = (), checks: dict | None = None,
+                 precheck=None) -> int:
+    """Parse ``--config`` and overrides, run ``preflight``, then call ``flow_fn(config, **extra)``.
 
-    ``options``: extra ``(flag, add_argument keywords)``; each parsed value is passed to the flow
-    by its ``dest`` name. ``show`` prints the flow's result.
+    Args:
+        flow_fn: the flow.
+        doc: the flow module's docstring (first line: the CLI description).
+        argv: arguments (default ``sys.argv[1:]``).
+        options: extra ``(flag, add_argument keywords)``; each parsed value is passed to the flow
+            by its ``dest`` name.
+        show: called with ``(flow result, config)`` to print the result.
+        config_options: ``(flag, dotted config field, add_argument keywords)``: a value given
+            overrides that field of the config (``--steps`` -> ``steps``).
+        checks: keywords of ``preflight`` (which inputs this flow needs).
+        precheck: called with the config before ``preflight``; may raise ``PrecisionMismatch``.
+
+    Returns:
+        0 on success; 2 when the config or an input cannot be used (one ``error:`` line on stderr).
     """
+    from infra.evaluate import PrecisionMismatch
+
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
     parser.add_argument("--run-id", default=None, help="override config run_id")
+    overrides = [(parser.add_argument(flag, default=None, **kw).dest, field)
+                 for flag, field, kw in config_options]
     extra = [parser.add_argument(flag, **kw).dest for flag, kw in options]
     args = parser.parse_args(argv)
+    given = {field: getattr(args, dest) for dest, field in [("run_id", "run_id"), *overrides]
+             if getattr(args, dest) is not None}
     try:
-        config = load_config(args.config, **({"run_id": args.run_id} if args.run_id else {}))
-    except ConfigError as e:
+        config = load_config(args.config, **given)  # before torch/vLLM load: fast, clear errors
+        if precheck is not None:
+            precheck(config)
+        preflight(config, **(checks or {}))
+        result = flow_fn(config, **{name: getattr(args, name) for name in extra})
+    except ConfigError as e:  # names the file already
         print(f"error: {e}", file=sys.stderr)
         return 2
-    show(flow_fn(config, **{name: getattr(args, name) for name in extra}))
+    except (RunInputError, PrecisionMismatch) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    show(result, config)
     return 0

@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     options = [("--version", {"type": int, "default": None, "help": "checkpoint version (default: newest)"}),
                ("--force", {"action": "store_true", "help": "re-evaluate even if an up-to-date report exists"})]
     return run_flow_cli(evaluate, __doc__, argv, options,
-                        show=lambda r: print(json.dumps({k: v for k, v in r.items() if k != "per_task"})))
+                        show=lambda r, c: print(json.dumps({k: v for k, v in r.items() if k != "per_task"})),
+                        precheck=lambda c: eval_precision(c.model.serving_dtype, c.eval.dtype,
+                                                          c.eval.allow_precision_mismatch))
 
 
 if __name__ == "__main__":

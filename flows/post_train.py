@@ -7,7 +7,6 @@ the same ``run_id`` resumes after the last published checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -15,8 +14,9 @@ import time
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from flows.cli import preflight
 from infra.checkpoint import checkpoint_uri
-from infra.config import ConfigError, RunConfig, load_config
+from infra.config import RunConfig
 from infra.evaluate import PrecisionMismatch
 from infra.report import render_report
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
@@ -44,9 +44,8 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
     straggler_tail_s, engine_idle_s, generation_tokens_per_s, groups_carried_in, groups_dropped,
     policy_lag_hist (lag in versions -> groups).
     """
-    if config.eval.enabled and config.eval.dtype not in ("serving", config.model.serving_dtype):
-        raise PrecisionMismatch(f"eval.dtype={config.eval.dtype}: post_train evaluates with its serving engine "
-                                f"({config.model.serving_dtype}); evaluate other precisions with flows.evaluate")
+    check_eval_precision(config)
+    preflight(config)  # S3, Docker, task sources, model: a bad one fails here, before any task or write
     catalog_uri = build_envs(config)
     materialize_task_images(config, catalog_uri)
     policy = prepare_policy(config)
@@ -185,24 +184,30 @@ def format_summary(s: dict) -> str:
             f"publish+load {s['publish_s']} eval {s['eval_s']})")
 
 
+def check_eval_precision(config: RunConfig) -> None:
+    """post_train evaluates with its serving engine: refuse another ``eval.dtype``.
+
+    Raises:
+        PrecisionMismatch: ``eval.enabled`` with an ``eval.dtype`` other than the serving dtype.
+    """
+    if config.eval.enabled and config.eval.dtype not in ("serving", config.model.serving_dtype):
+        raise PrecisionMismatch(f"eval.dtype={config.eval.dtype}: post_train evaluates with its serving engine "
+                                f"({config.model.serving_dtype}); evaluate other precisions with flows.evaluate")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI: parse the config first (fast, clear errors), then run the flow."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.toml", help="TOML run config")
-    parser.add_argument("--steps", type=int, default=None, help="override config steps")
-    parser.add_argument("--run-id", default=None, help="override config run_id")
-    parser.add_argument("--seed", type=int, default=None, help="override config rollout.seed")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("steps", args.steps), ("run_id", args.run_id), ("rollout.seed", args.seed))
-                 if v is not None}
-    try:
-        config = load_config(args.config, **overrides)  # before torch/vLLM load: fast, clear errors
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    summaries = post_train(config)
-    print(f"post_train {config.run_id}: {len(summaries)} step(s) run")
-    return 0
+    """CLI: ``--config``, ``--run-id``, ``--steps``, ``--seed``, then the flow.
+
+    The config and the run's inputs are checked before anything loads (one ``error:`` line and
+    exit 2 on a bad one).
+    """
+    from flows.cli import run_flow_cli
+
+    return run_flow_cli(post_train, __doc__, argv, precheck=check_eval_precision,
+                        config_options=[("--steps", "steps", {"type": int, "help": "override config steps"}),
+                                        ("--seed", "rollout.seed", {"type": int, "help": "override rollout.seed"})],
+                        show=lambda summaries, config: print(f"post_train {config.run_id}: "
+                                                             f"{len(summaries)} step(s) run"))
 
 
 if __name__ == "__main__":

@@ -28,4 +28,4 @@ def refresh_difficulty(config: RunConfig = DEFAULT_CONFIG, step: int = 0) -> dic
 if __name__ == "__main__":
     from flows.cli import run_flow_cli
 
-    sys.exit(run_flow_cli(refresh_difficulty, __doc__))
+    sys.exit(run_flow_cli(refresh_difficulty, __doc__, checks={"docker": False, "model": False, "tasks": False}))

@@ -119,6 +119,9 @@ class DifficultyConfig(_Strict):
     """A task with no pass over at least this many attempts is skipped as hopeless."""
     explore_min_attempts: int = Field(4, ge=0, le=1000)
     """Tasks with fewer attempts than this are always eligible (exploration floor)."""
+    revisit_frac: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of each step's task slots (in expectation) given to skipped tasks, oldest attempt first,
+    so a task skipped as saturated or hopeless is measured again as the policy changes."""
 
 
 class TrainConfig(_Strict):
@@ -259,6 +262,10 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a folder; expected a TOML config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e}); expected a TOML config file") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     for dotted, value in overrides.items():
@@ -276,7 +283,26 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
         for err in e.errors():
             field = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
-                lines.append(f"{path}: unknown key '{field}'")
+                lines.append(f"{path}: unknown key '{field}'; {_expected_keys(err['loc'])}")
+            elif not field:  # a check across fields (model validator): the message names the fields
+                lines.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
             else:
                 lines.append(f"{path}: field '{field}': {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("\n".join(lines)) from None
+
+
+def _expected_keys(loc: tuple) -> str:
+    """What the table holding an unknown key accepts: ``did you mean 'x'?`` and the valid keys."""
+    import difflib
+
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return "not a key of this table"
+        model = annotation
+    keys = sorted(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    table = ".".join(str(p) for p in loc[:-1]) or "top level"
+    return (f"did you mean '{close[0]}'? " if close else "") + f"expected one of ({table}): {', '.join(keys)}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import docker.errors
 
 from envs.humaneval import load_humaneval
-from envs.task import Outcome, Task
+from envs.task import Outcome, Task, TaskError
 from envs.taskset import load_taskset
 from envs.verify import Verdict, verify_code, verify_task
 from infra.sandbox.base import SandboxInfraError
@@ -66,7 +66,8 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
 
     Raises:
         ValueError: the HumanEval train and eval slices overlap, or an eval id is not a task.
-        envs.task.TaskError: a task set path does not exist.
+        envs.task.TaskError: a task set path or ``code_file`` does not exist, or ``code_file`` is not a
+            readable HumanEval JSONL.
     """
     if humaneval_train + humaneval_eval > 164:
         raise ValueError(f"tasks.humaneval_train ({humaneval_train}) + tasks.humaneval_eval ({humaneval_eval}) "
@@ -74,7 +75,10 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
     tasks: dict[str, Task] = {}
     split: dict[str, str] = {}
     errors: list[str] = []
-    for root in ([terminal_dir] if terminal_dir is not None else []) + list(task_sets or []):
+    roots = [("tasks.terminal_dir", terminal_dir)] if terminal_dir is not None else []
+    for field, root in roots + [("tasks.task_sets", p) for p in task_sets or []]:
+        if not root.exists():
+            raise TaskError(f"{field}: {root} not found (expected a task folder, a folder of tasks or a JSONL)")
         loaded, errs = load_taskset(root)
         errors += errs
         for t in loaded:
@@ -87,8 +91,16 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
     unknown = set(terminal_eval_ids) - set(tasks) - {_short_id(t) for t in tasks}
     if unknown:
         raise ValueError(f"tasks.terminal_eval_ids: {sorted(unknown)} are not tasks of the configured task sets")
-    for t in load_humaneval(path=str(code_file)) if code_file is not None else []:
-        tasks[t.task_id], split[t.task_id] = t, "train"
+    if code_file is not None:
+        if not code_file.is_file():
+            raise TaskError(f"tasks.code_file: {code_file} not found (expected a HumanEval-format JSONL)")
+        try:
+            code_tasks = load_humaneval(path=str(code_file))
+        except (ValueError, KeyError, OSError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
+            raise TaskError(f"tasks.code_file: {code_file} is not a readable HumanEval-format JSONL "
+                            f"({type(e).__name__}: {e})") from e
+        for t in code_tasks:
+            tasks[t.task_id], split[t.task_id] = t, "train"
     for t in load_humaneval(first=humaneval_train) if humaneval_train else []:
         tasks[t.task_id], split[t.task_id] = t, "train"
     for t in load_humaneval(last=humaneval_eval) if humaneval_eval else []:

@@ -690,6 +690,7 @@ def _ensure_bucket(endpoint: str, key: str, secret: str, bucket: str) -> None:
         RuntimeError: Listing or creating buckets failed (wrong keys, unreachable endpoint).
     """
     import s3fs
+    from botocore.exceptions import BotoCoreError
 
     fs = s3fs.S3FileSystem(
         key=key, secret=secret, client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
@@ -698,7 +699,7 @@ def _ensure_bucket(endpoint: str, key: str, secret: str, bucket: str) -> None:
         if bucket not in {b.rstrip("/") for b in fs.ls("", refresh=True)}:
             log.info("creating bucket %s on %s", bucket, endpoint)
             fs.mkdir(bucket)
-    except OSError as err:
+    except (OSError, BotoCoreError) as err:  # EndpointConnectionError (a dead endpoint) is a BotoCoreError
         raise RuntimeError(f"S3 at {endpoint}: cannot list/create bucket {bucket!r}: {err}") from err
 
 

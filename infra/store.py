@@ -113,6 +113,30 @@ def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
     return len(data)
 
 
+DIVERGENCE_SCHEMA = pa.schema([
+    ("episode_id", pa.string()), ("group_id", pa.string()),
+    ("kl_k1", pa.float64()), ("kl_k3", pa.float64()), ("known_tokens", pa.int64()),
+    ("weight", pa.float64()), ("decision", pa.string()),
+])
+"""One row per trained row of a step: the trainer-side KL estimates and the divergence decision."""
+
+
+def write_divergence(fs, uri: str, decisions: Sequence[dict]) -> int:
+    """Write a step's divergence decisions as one Parquet object (one PUT); returns its size in bytes.
+
+    Raises:
+        SchemaError: a decision does not match ``DIVERGENCE_SCHEMA``.
+    """
+    try:
+        table = pa.Table.from_pylist(list(decisions), schema=DIVERGENCE_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError) as e:
+        raise SchemaError(f"{uri}: decisions do not match DIVERGENCE_SCHEMA: {e}") from e
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    fs.pipe_file(uri, buf.getvalue())  # one PUT: visible whole or not at all
+    return buf.tell()
+
+
 def read_step(fs, uri: str) -> pa.Table:
     """Read one step file, checked against the declared schema."""
     fs.invalidate_cache()

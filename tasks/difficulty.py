@@ -16,7 +16,8 @@ def refresh_difficulty(config: RunConfig, catalog_uri: str, step: int) -> dict:
     """Choose the step's training tasks from past pass rates.
 
     Returns:
-        ``{"chosen": [task ids], "skipped": {task id: reason}, "pass_rates": {task id: rate}}``.
+        ``{"chosen": [task ids], "skipped": {task id: reason}, "revisited": [skipped task ids chosen anyway],
+        "pass_rates": {task id: rate}}``.
     """
     rt = runtime(config)
     catalog = rt.load_catalog(catalog_uri)
@@ -27,6 +28,6 @@ def refresh_difficulty(config: RunConfig, catalog_uri: str, step: int) -> dict:
     d = config.difficulty
     stats = pass_stats(records, d.window)
     sel = select_tasks(train_ids, stats, config.rollout.tasks_per_step, d.window, d.hopeless_min_attempts,
-                       d.explore_min_attempts, seed=config.rollout.seed * 7919 + step)
-    return {"chosen": sel.chosen, "skipped": sel.skipped,
+                       d.explore_min_attempts, seed=config.rollout.seed * 7919 + step, revisit_frac=d.revisit_frac)
+    return {"chosen": sel.chosen, "skipped": sel.skipped, "revisited": sel.revisited,
             "pass_rates": {t: stats[t].pass_rate for t in sel.chosen if t in stats}}

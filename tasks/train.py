@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
-from infra.store import read_step
+from infra.store import read_step, write_divergence
 from tasks.runtime import runtime
 
 
@@ -34,8 +32,7 @@ def train_step(config: RunConfig, trajectories_uri: str) -> dict:
     metrics = rt.trainer.step(rows)
     decisions = rt.trainer.last_row_decisions
     if decisions:
-        with rt.fs.open(divergence_uri(trajectories_uri), "wb") as f:
-            pq.write_table(pa.Table.from_pylist(decisions), f)
+        write_divergence(rt.fs, divergence_uri(trajectories_uri), decisions)
     sampled = [r["min_policy_version"] for r in rows if r["min_policy_version"] >= 0]
     metrics["policy_lag_max"] = float(rt.policy_version - min(sampled)) if sampled else 0.0
     return metrics

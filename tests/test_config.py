@@ -19,8 +19,21 @@ def test_every_config_parses(path):
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[rollout]\ngroup_sise = 4\n")
-    with pytest.raises(ConfigError, match=r"bad.toml: unknown key 'rollout.group_sise'"):
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key 'rollout.group_sise'; did you mean 'group_size'\? "
+                                          r"expected one of \(rollout\): .*group_size"):
         load_config(p)
+    p.write_text("stepz = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'stepz'; did you mean 'steps'\? expected one of \(top level\)"):
+        load_config(p)
+
+
+def test_cross_field_error_names_the_fields(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[publish]\npattern = "colocated"\n[rollout]\nengine = "servers"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: publish.pattern = \"colocated\" needs rollout.engine") and "''" not in msg
 
 
 def test_out_of_range_value_is_named(tmp_path):
@@ -37,6 +50,11 @@ def test_not_toml_and_missing(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.toml")
+    p.write_bytes(b"steps = 2 # caf\xe9\n")
+    with pytest.raises(ConfigError, match="bad.toml: not UTF-8 text"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="is a folder; expected a TOML config file"):
+        load_config(tmp_path)
 
 
 def test_overrides_apply_and_validate():

@@ -37,3 +37,31 @@ def test_all_skipped_falls_back_rather_than_empty_step():
     stats = pass_stats(_records("sat", ["success"] * 8), window=8)
     sel = select_tasks(["sat"], stats, 2, 8, 16, 4, seed=0)
     assert sel.chosen == ["sat"]
+
+
+def test_skipped_tasks_are_revisited_oldest_first_at_the_configured_share():
+    # "old" was last attempted at step 7, "recent" at step 47: both skipped as saturated/hopeless
+    recs = (_records("old", ["success"] * 8) + _records("recent", ["model_failure"] * 20, step0=28)
+            + [r for i in range(12) for r in _records(f"mid{i}", ["success", "model_failure"] * 4)])
+    stats = pass_stats(recs, window=8)
+    ids = ["old", "recent"] + [f"mid{i}" for i in range(12)]
+    args = dict(count=10, window=8, hopeless_min_attempts=16, explore_min_attempts=4)
+    sel = select_tasks(ids, stats, seed=0, revisit_frac=0.1, **args)
+    assert sel.revisited == ["old"] and sel.chosen[0] == "old" and len(sel.chosen) == 10
+    assert sel.skipped == {"recent": "hopeless"}
+    two = select_tasks(ids, stats, seed=0, revisit_frac=0.2, **args)
+    assert two.revisited == ["old", "recent"] and two.skipped == {}
+    # without revisiting, no skipped task is chosen
+    none = select_tasks(ids, stats, seed=0, revisit_frac=0.0, **args)
+    assert none.revisited == [] and not {"old", "recent"} & set(none.chosen)
+    # a fractional share is kept in expectation over steps: 4 slots * 0.1 = 0.4 revisits per step
+    n = sum(len(select_tasks(ids, stats, seed=s, revisit_frac=0.1, **{**args, "count": 4}).revisited)
+            for s in range(2000))
+    assert 0.36 < n / 2000 < 0.44
+
+
+def test_revisit_frac_out_of_range_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="revisit_frac"):
+        select_tasks(["a"], {}, 1, 8, 16, 4, seed=0, revisit_frac=1.5)

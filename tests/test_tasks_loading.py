@@ -77,8 +77,15 @@ def test_code_file_tasks_load_for_training(tmp_path):
     exec(compile(prog, "prog", "exec"), ns)  # the reference-style answer passes its own check
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_id": "X/0", "prompt": "def f():\\n"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl: problem X/0 lacks fields \\['entry_point', 'test'\\]"):
+    with pytest.raises(TaskError, match=r"tasks.code_file: .*bad.jsonl.*problem X/0 lacks fields \['entry_point'"):
         load_tasks(None, [], 0, 0, bad)
+    bad.write_bytes(b'\xff\xfe{"task_id": 1}\n')
+    with pytest.raises(TaskError, match="tasks.code_file: .*bad.jsonl is not a readable HumanEval-format JSONL"):
+        load_tasks(None, [], 0, 0, bad)
+    with pytest.raises(TaskError, match="tasks.code_file: .*nope.jsonl not found"):
+        load_tasks(None, [], 0, 0, tmp_path / "nope.jsonl")
+    with pytest.raises(TaskError, match="tasks.terminal_dir: .*nowhere not found"):
+        load_tasks(tmp_path / "nowhere", [], 0, 0)
 
 
 HARBOR = Path(__file__).parent.parent / "envs" / "harbor"
@@ -125,6 +132,11 @@ def _harbor_copy(tmp_path, name="t"):
      "task.toml: field 'environment.memory_mb' must be a positive size"),
     (lambda d: (d / "task.toml").write_text("[environment]\nallow_internet = 'yes'\n"),
      "field 'environment.allow_internet' must be true or false"),
+    (lambda d: (d / "task.toml").write_bytes(b"[agent]\ntimeout_sec = 1 # caf\xe9\n"),
+     "task.toml: not UTF-8 text"),
+    (lambda d: (d / "instruction.md").write_bytes(b"caf\xe9\n"), "instruction.md: not UTF-8 text"),
+    (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = inf\n"),
+     "field 'agent.timeout_sec' must be a positive number of seconds, got inf"),
 ])
 def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
     from envs import load_taskset
@@ -146,6 +158,10 @@ def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
      "docker-compose.yaml: field 'services.a.build' missing"),
     (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: {dockerfile: Nope}}\n"),
      "field 'services.a.build.dockerfile' names 'Nope'"),
+    (lambda d: (d / "task.yaml").write_bytes(b"instruction: caf\xe9\n"), "task.yaml: not UTF-8 text"),
+    (lambda d: (d / "task.yaml").write_text("instruction: hi\nmax_agent_timeout_sec: .nan\n"),
+     "task.yaml: field 'max_agent_timeout_sec' must be a positive number of seconds, got nan"),
+    (lambda d: (d / "tests" / "test_outputs.py").unlink(), "tests/test_outputs.py: missing"),
 ])
 def test_bad_terminal_bench_task_names_file_and_field(tmp_path, mutate, message):
     from envs import load_taskset
