@@ -7,26 +7,24 @@ the same ``run_id`` resumes after the last published checkpoint.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.cli import preflight
 from infra.checkpoint import checkpoint_uri
 from infra.config import RunConfig
 from infra.evaluate import PrecisionMismatch
-from infra.report import render_report
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
 from tasks.difficulty import refresh_difficulty
 from tasks.evaluate import evaluate
 from tasks.lineage import as_asset
 from tasks.policy import prepare_policy
 from tasks.publish import export_weights, hot_load, load_colocated, load_direct, publish_checkpoint
+from tasks.report import record_step
 from tasks.rollouts import rollouts_for_step
-from tasks.runtime import artifact_key, run_uri, runtime
+from tasks.runtime import runtime
 from tasks.train import save_trainer_state, train_step
 
 DEFAULT_CONFIG = RunConfig()
@@ -110,29 +108,10 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
                                       if k.startswith("lag_hist_")}
         summaries.append(summary)
         print(format_summary(summary))
-        history = record_summary(config, summary)
-        create_table_artifact(key=artifact_key(config.run_id, "steps"), table=[{k: str(v) for k, v in x.items()}
-                                                                       for x in history],
-                              description=f"post_train {config.run_id}: per-step summary")
-        report = render_report(config.run_id, history)
-        runtime(config).fs.pipe_file(f"{run_uri(config)}/report.md", report.encode())
-        create_markdown_artifact(key=artifact_key(config.run_id, "report"), markdown=report,
-                                 description=f"post_train {config.run_id}: reward, lag, time and mismatch plots")
+        record_step(config, summary)
     if upload is not None:
         upload.result()
     return summaries
-
-
-def record_summary(config: RunConfig, summary: dict) -> list[dict]:
-    """Store a step's summary at ``{run}/summaries/step-N.json``; returns every stored summary of the run, by step.
-
-    The run's history survives restarts (a resumed run reports all its steps, not only this process's).
-    """
-    fs = runtime(config).fs
-    root = f"{run_uri(config)}/summaries"
-    fs.pipe_file(f"{root}/step-{summary['step']:06d}.json", json.dumps(summary, default=str).encode())
-    fs.invalidate_cache()
-    return [json.loads(fs.cat_file(p)) for p in sorted(fs.glob(f"{root}/step-*.json"))]
 
 
 def publish_version(config: RunConfig, ckpt: str, version: int, step: int, traj_uri: str):
