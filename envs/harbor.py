@@ -19,12 +19,11 @@ Unknown keys are ignored, as Harbor ignores them. Not supported (load errors):
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 from pathlib import Path
 
-from envs.task import Task, TaskError, read_task_text
+from envs.task import Task, TaskError, is_finite, read_task_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _MB_PER_UNIT = {"": 1 / 2**20, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
@@ -36,7 +35,7 @@ def _size_mb(value: object, where: str) -> int:
     Raises:
         TaskError: anything else; the message names ``where``.
     """
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, int | float) and not isinstance(value, bool) and is_finite(value) and value > 0:
         return int(value)
     if isinstance(value, str) and (m := _SIZE.match(value)):
         return max(1, int(float(m.group(1)) * _MB_PER_UNIT[m.group(2).upper()]))
@@ -82,13 +81,14 @@ def load_harbor_task(folder: Path) -> Task:
 
     def seconds(table: str, key: str, default: float) -> float:
         value = section(table).get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not is_finite(value) or value <= 0:
             raise TaskError(f"{spec_path}: field '{table}.{key}' must be a positive number of seconds, got {value!r}")
         return float(value)
 
     env = section("environment")
     cpus = env.get("cpus")
-    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int | float) or cpus <= 0):
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int | float) or not is_finite(cpus)
+                             or cpus <= 0):
         raise TaskError(f"{spec_path}: field 'environment.cpus' must be a positive number, got {cpus!r}")
     memory = env.get("memory_mb", env.get("memory"))
     memory_mb = _size_mb(memory, f"{spec_path}: field 'environment.memory_mb'") if memory is not None else None

@@ -7,6 +7,7 @@ image reference), how it is verified (hidden tests, never part of the image), an
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,3 +100,14 @@ def read_task_text(path: Path) -> str:
         raise TaskError(f"{path}: not UTF-8 text ({e})") from e
     except (IsADirectoryError, PermissionError) as e:
         raise TaskError(f"{path}: cannot be read ({e.strerror})") from e
+
+
+def is_finite(value: int | float) -> bool:
+    """Whether a number from a task file is finite.
+
+    ``inf``/``nan`` are valid TOML and YAML floats; an integer too large for a float counts as not finite.
+    """
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -40,7 +40,7 @@ def _load_entry(entry: Path, fmt: str) -> list[Task]:
         return [load_terminal_task(entry)]
     try:
         return load_humaneval(path=str(entry))
-    except (ValueError, KeyError, OSError, EOFError) as e:  # JSONDecodeError/UnicodeDecodeError are ValueErrors
+    except (ValueError, KeyError, TypeError, OSError, EOFError) as e:  # JSON/Unicode decode errors are ValueErrors
         raise TaskError(f"{entry}: not a readable HumanEval-format JSONL ({type(e).__name__}: {e})") from e
 
 
@@ -79,7 +79,7 @@ def load_taskset(path: str | Path) -> tuple[list[Task], list[str]]:
             tasks.extend(_load_entry(entry, fmt))
         except TaskError as e:
             errors.append(str(e))
-        except (OSError, ValueError) as e:  # an unreadable file (permissions, bytes that are not UTF-8)
+        except (OSError, ValueError, TypeError, OverflowError) as e:  # unreadable file, a value no check foresaw
             errors.append(f"{entry}: cannot be read ({type(e).__name__}: {e})")
     if not tasks and not errors:
         raise TaskError(f"{root}: holds no task of a known format (Harbor, Terminal-Bench, HumanEval JSONL)")

@@ -17,12 +17,11 @@ the image's pytest under a hardened configuration (``envs/verify.py``).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import yaml
 
-from envs.task import Task, TaskError, read_task_text
+from envs.task import Task, TaskError, is_finite, read_task_text
 
 SUPPORTED_PARSERS = ("pytest",)
 
@@ -97,7 +96,7 @@ def load_terminal_task(folder: Path) -> Task:
 
     def seconds(key: str, default: float) -> float:
         value = spec.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not is_finite(value) or value <= 0:
             raise TaskError(f"{spec_path}: field '{key}' must be a positive number of seconds, got {value!r}")
         return float(value)
 
@@ -144,6 +143,6 @@ def load_terminal_tasks(root: Path) -> tuple[list[Task], list[str]]:
             tasks.append(load_terminal_task(folder))
         except TaskError as e:
             errors.append(str(e))
-        except (OSError, ValueError) as e:  # an unreadable file (permissions, bytes that are not UTF-8)
+        except (OSError, ValueError, TypeError, OverflowError) as e:  # unreadable file, a value no check foresaw
             errors.append(f"{folder}: cannot be read ({type(e).__name__}: {e})")
     return tasks, errors

@@ -24,7 +24,8 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
     Args:
         config: the run config.
         docker: check the Docker engine (``DOCKER_HOST`` or the default socket) answers a ping.
-        model: check ``model.path`` is an HF model folder (or the built-in SmolLM2 name).
+        model: check ``model.path`` is an HF model folder (or the built-in SmolLM2 name), unless the
+            run already published a version (a resumed run starts from its newest checkpoint).
         tasks: load the configured task sources (fatal errors only; a broken task is reported
             by ``build_envs`` and does not stop the others).
 
@@ -34,7 +35,7 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
     from infra.storage import StorageError, s3_filesystem
 
     try:
-        s3_filesystem(config.storage.bucket)
+        fs = s3_filesystem(config.storage.bucket)
     except StorageError as e:
         raise RunInputError(f"storage: {e}") from e
     if docker:
@@ -56,12 +57,15 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
 
         try:
             load_run_tasks(config)
-        except (TaskError, ValueError) as e:
+        except (TaskError, ValueError, TypeError) as e:
             raise RunInputError(f"tasks: {e}") from e
     if model:
+        from infra.checkpoint import published_versions
         from infra.model import SMOLLM2, resolve_model
 
-        if config.model.path != SMOLLM2:  # the built-in one is prepared on first use
+        s = config.storage
+        # the built-in model is prepared on first use; a resumed run never reads model.path
+        if config.model.path != SMOLLM2 and not published_versions(fs, s.bucket, s.prefix, config.run_id):
             try:
                 resolve_model(config.model.path)
             except FileNotFoundError as e:
@@ -105,12 +109,13 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
         if precheck is not None:
             precheck(config)
         preflight(config, **(checks or {}))
-        result = flow_fn(config, **{name: getattr(args, name) for name in extra})
     except ConfigError as e:  # names the file already
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (RunInputError, PrecisionMismatch) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
+    # errors from here on happen inside the flow (maybe after writes): Prefect logs them, they propagate
+    result = flow_fn(config, **{name: getattr(args, name) for name in extra})
     show(result, config)
     return 0

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     return run_flow_cli(evaluate, __doc__, argv, options,
                         show=lambda r, c: print(json.dumps({k: v for k, v in r.items() if k != "per_task"})),
                         precheck=lambda c: eval_precision(c.model.serving_dtype, c.eval.dtype,
-                                                          c.eval.allow_precision_mismatch))
+                                                          c.eval.allow_precision_mismatch),
+                        checks={"model": False})  # evaluates published checkpoints, never model.path
 
 
 if __name__ == "__main__":

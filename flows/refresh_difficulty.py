@@ -21,7 +21,8 @@ DEFAULT_CONFIG = RunConfig()
 def refresh_difficulty(config: RunConfig = DEFAULT_CONFIG, step: int = 0) -> dict:
     """Choose the tasks of ``step`` from past pass rates (see ``infra.difficulty``)."""
     selection = refresh_task(config, f"{run_uri(config)}/envs.json", step)
-    print(f"step {step}: chosen {selection['chosen']}, skipped {selection['skipped']}")
+    print(f"step {step}: chosen {selection['chosen']}, skipped {selection['skipped']}, "
+          f"revisited {selection['revisited']}")
     return selection
 
 

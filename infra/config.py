@@ -259,11 +259,13 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
     except IsADirectoryError as e:
         raise ConfigError(f"{path}: is a folder; expected a TOML config file") from e
+    except PermissionError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from e
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e}); expected a TOML config file") from e
     except tomllib.TOMLDecodeError as e:
@@ -284,7 +286,7 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
             field = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
                 lines.append(f"{path}: unknown key '{field}'; {_expected_keys(err['loc'])}")
-            elif not field:  # a check across fields (model validator): the message names the fields
+            elif err["type"] == "value_error":  # a check across fields (model validator): its message names them
                 lines.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
             else:
                 lines.append(f"{path}: field '{field}': {err['msg']} (got {err.get('input')!r})")

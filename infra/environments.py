@@ -93,10 +93,11 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
         raise ValueError(f"tasks.terminal_eval_ids: {sorted(unknown)} are not tasks of the configured task sets")
     if code_file is not None:
         if not code_file.is_file():
-            raise TaskError(f"tasks.code_file: {code_file} not found (expected a HumanEval-format JSONL)")
+            what = "is not a file" if code_file.exists() else "not found"
+            raise TaskError(f"tasks.code_file: {code_file} {what} (expected a HumanEval-format JSONL)")
         try:
             code_tasks = load_humaneval(path=str(code_file))
-        except (ValueError, KeyError, OSError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
+        except (ValueError, KeyError, TypeError, OSError, EOFError) as e:  # JSON/Unicode decode errors: ValueErrors
             raise TaskError(f"tasks.code_file: {code_file} is not a readable HumanEval-format JSONL "
                             f"({type(e).__name__}: {e})") from e
         for t in code_tasks:

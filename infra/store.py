@@ -127,9 +127,13 @@ def write_divergence(fs, uri: str, decisions: Sequence[dict]) -> int:
     Raises:
         SchemaError: a decision does not match ``DIVERGENCE_SCHEMA``.
     """
+    for i, d in enumerate(decisions):
+        if set(d) != set(DIVERGENCE_SCHEMA.names):
+            raise SchemaError(f"{uri}: decision {i} has keys {sorted(d)}; "
+                              f"DIVERGENCE_SCHEMA has {DIVERGENCE_SCHEMA.names}")
     try:
         table = pa.Table.from_pylist(list(decisions), schema=DIVERGENCE_SCHEMA)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError) as e:
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise SchemaError(f"{uri}: decisions do not match DIVERGENCE_SCHEMA: {e}") from e
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")

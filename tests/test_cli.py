@@ -73,3 +73,20 @@ def test_evaluate_cli_refuses_another_precision_before_loading(services_env, tmp
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(
         f"error: {cfg}: eval.dtype=bfloat16 but model.serving_dtype=float32: evaluation runs in the serving precision")
+
+
+@pytest.mark.integration
+def test_preflight_skips_model_path_once_the_run_has_published(services_env, s3, tiny_model):
+    """A resumed run starts from its newest checkpoint, so a base model folder that is gone since
+    does not stop it; before the first publication it does."""
+    from flows.cli import RunInputError, preflight
+    from infra.checkpoint import checkpoint_uri, publish
+    from infra.config import RunConfig
+
+    run_id = f"cli-{uuid.uuid4().hex[:8]}"
+    config = RunConfig.model_validate({"run_id": run_id, "model": {"path": "/gone/model"}})
+    with pytest.raises(RunInputError, match="model.path: /gone/model is not an HF model folder"):
+        preflight(config, docker=False, tasks=False)
+    bucket = services_env["AGENTRL_BUCKET"]
+    publish(s3, tiny_model, checkpoint_uri(bucket, "runs", run_id, 1), 1, 0, 0, "float32")
+    preflight(config, docker=False, tasks=False)  # v1 is published: the run resumes from it

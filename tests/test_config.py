@@ -34,6 +34,10 @@ def test_cross_field_error_names_the_fields(tmp_path):
         load_config(p)
     msg = str(e.value)
     assert msg.startswith(f"{p}: publish.pattern = \"colocated\" needs rollout.engine") and "''" not in msg
+    p.write_text("[eval]\nk = [5]\n")  # a check inside one table
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value) == f"{p}: eval.k: each k must be in 1..samples_per_task=1, got [5]"
 
 
 def test_out_of_range_value_is_named(tmp_path):

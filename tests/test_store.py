@@ -152,6 +152,9 @@ def test_divergence_decisions_written_whole_against_their_schema(s3):
     bad = f"{uri}.bad"
     with pytest.raises(SchemaError, match="do not match DIVERGENCE_SCHEMA"):
         write_divergence(s3, bad, [{**rows[0], "kl_k1": "high"}])
+    renamed = {("kl" if k == "kl_k1" else k): v for k, v in rows[0].items()}
+    with pytest.raises(SchemaError, match="decision 0 has keys"):
+        write_divergence(s3, bad, [renamed])
     assert not s3.exists(bad)
 
 

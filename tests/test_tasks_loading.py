@@ -82,6 +82,11 @@ def test_code_file_tasks_load_for_training(tmp_path):
     bad.write_bytes(b'\xff\xfe{"task_id": 1}\n')
     with pytest.raises(TaskError, match="tasks.code_file: .*bad.jsonl is not a readable HumanEval-format JSONL"):
         load_tasks(None, [], 0, 0, bad)
+    bad.write_text("1\n")  # a line that is JSON but not an object
+    with pytest.raises(TaskError, match="tasks.code_file: .*bad.jsonl is not a readable HumanEval-format JSONL"):
+        load_tasks(None, [], 0, 0, bad)
+    with pytest.raises(TaskError, match="tasks.code_file: .* is not a file"):
+        load_tasks(None, [], 0, 0, tmp_path)
     with pytest.raises(TaskError, match="tasks.code_file: .*nope.jsonl not found"):
         load_tasks(None, [], 0, 0, tmp_path / "nope.jsonl")
     with pytest.raises(TaskError, match="tasks.terminal_dir: .*nowhere not found"):
@@ -137,6 +142,12 @@ def _harbor_copy(tmp_path, name="t"):
     (lambda d: (d / "instruction.md").write_bytes(b"caf\xe9\n"), "instruction.md: not UTF-8 text"),
     (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = inf\n"),
      "field 'agent.timeout_sec' must be a positive number of seconds, got inf"),
+    (lambda d: (d / "task.toml").write_text("[agent]\ntimeout_sec = 1" + "0" * 400 + "\n"),
+     "field 'agent.timeout_sec' must be a positive number of seconds"),
+    (lambda d: (d / "task.toml").write_text("[environment]\nmemory_mb = inf\n"),
+     "field 'environment.memory_mb' must be a positive size"),
+    (lambda d: (d / "task.toml").write_text("[environment]\ncpus = nan\n"),
+     "field 'environment.cpus' must be a positive number, got nan"),
 ])
 def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
     from envs import load_taskset
