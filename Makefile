@@ -6,6 +6,9 @@ PY := .venv/bin/python
 STATE ?= $(CURDIR)/.state
 export AGENTRL_STATE := $(STATE)
 export PREFECT_HOME ?= $(STATE)/prefect
+# Prefect 3 persists task results under ~/.prefect/storage whatever PREFECT_HOME says; keep them with
+# the rest of this checkout's state (a fresh clone found an older clone's cached rollouts there)
+export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml

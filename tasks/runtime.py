@@ -76,6 +76,9 @@ class Runtime:
             from infra.sandbox.pool import WarmPool
 
             self._sandbox_pool = WarmPool(self.backend, max_idle_per_image=self.config.rollout.warm_pool_max_idle)
+            # idle warm sandboxes die with the process (the CLI, a deployment's run): without this they ran on
+            # until the next run's reaper removed them (16 after every quickstart)
+            atexit.register(self._sandbox_pool.close)
         return self._sandbox_pool
 
     @property

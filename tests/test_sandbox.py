@@ -147,3 +147,37 @@ def test_junit_verdicts():
     assert junit_verdict('<testsuite tests="2" failures="1" errors="0" skipped="0"/>', "").reason == "tests_failed"
     assert junit_verdict('<testsuite tests="0"/>', "").outcome == Outcome.UNKNOWN
     assert junit_verdict("<testsuite", "").reason == "verifier_error"
+
+
+
+_WARM_THEN_EXIT = r"""
+import sys
+from infra.config import RunConfig
+from infra.environments import BASE_IMAGE
+from infra.sandbox.docker_backend import OWNER_LABEL, owner_id
+from tasks.runtime import runtime
+
+rt = runtime(RunConfig(run_id=sys.argv[1]))
+pool = rt.sandbox_pool
+pool.ensure(BASE_IMAGE, 2)
+assert pool.wait_ready(120), "warm pool did not fill"
+mine = rt.backend.client.containers.list(filters={"label": f"{OWNER_LABEL}={owner_id()}"})
+print("owner", owner_id(), "idle", len(mine), flush=True)
+"""  # ends without closing the runtime, as the CLI does
+
+
+def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):
+    """A flow's process (the CLI, a deployment run) that ends without closing its runtime leaves no
+    warm sandbox running: the pool is closed at exit, not left to the next run's reaper."""
+    import sys
+    import uuid
+
+    from infra.sandbox.docker_backend import OWNER_LABEL
+
+    r = subprocess.run([sys.executable, "-c", _WARM_THEN_EXIT, f"exit-{uuid.uuid4().hex[:8]}"],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _, owner, _, idle = r.stdout.split()[-4:]
+    assert idle == "2", r.stdout  # two warm sandboxes ran while the process lived
+    left = backend.client.containers.list(all=True, ignore_removed=True, filters={"label": f"{OWNER_LABEL}={owner}"})
+    assert left == [], [c.name for c in left]
