@@ -175,6 +175,11 @@ class WarmPool:
             boxes = [b for q in self._idle.values() for b in q]
             self._idle.clear()
         self._starter.shutdown(wait=True, cancel_futures=True)
-        if boxes:  # in parallel: one removal can take seconds on the btrfs data root
-            with ThreadPoolExecutor(max_workers=min(8, len(boxes)), thread_name_prefix="pool-close") as ex:
-                list(ex.map(lambda b: b.close(), boxes))
+        # In parallel (one removal can take seconds on the btrfs data root), on plain threads: this also runs
+        # at interpreter exit (atexit), where concurrent.futures refuses new work.
+        for i in range(0, len(boxes), 8):
+            threads = [threading.Thread(target=b.close, name="pool-close") for b in boxes[i:i + 8]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
