@@ -102,14 +102,23 @@ def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
         SchemaError: see :func:`validate_rows`; a type mismatch is reported with the column.
     """
     validate_rows(rows)
+    return _put_table(fs, uri, rows, TRAJECTORY_SCHEMA, "rows do not match the trajectory schema")
+
+
+def _put_table(fs, uri: str, rows: Sequence[dict], schema: pa.Schema, mismatch: str) -> int:
+    """Rows as one zstd Parquet object in a single PUT (visible whole or not at all); returns its size in bytes.
+
+    Raises:
+        SchemaError: ``{uri}: {mismatch}: ...`` when a value does not fit ``schema``.
+    """
     try:
-        table = pa.Table.from_pylist(list(rows), schema=TRAJECTORY_SCHEMA)
+        table = pa.Table.from_pylist(list(rows), schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise SchemaError(f"{uri}: rows do not match the trajectory schema: {e}") from e
+        raise SchemaError(f"{uri}: {mismatch}: {e}") from e
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     data = buf.getvalue()
-    fs.pipe_file(uri, data)  # one PUT: visible whole or not at all
+    fs.pipe_file(uri, data)
     return len(data)
 
 
@@ -131,14 +140,7 @@ def write_divergence(fs, uri: str, decisions: Sequence[dict]) -> int:
         if set(d) != set(DIVERGENCE_SCHEMA.names):
             raise SchemaError(f"{uri}: decision {i} has keys {sorted(d)}; "
                               f"DIVERGENCE_SCHEMA has {DIVERGENCE_SCHEMA.names}")
-    try:
-        table = pa.Table.from_pylist(list(decisions), schema=DIVERGENCE_SCHEMA)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise SchemaError(f"{uri}: decisions do not match DIVERGENCE_SCHEMA: {e}") from e
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    fs.pipe_file(uri, buf.getvalue())  # one PUT: visible whole or not at all
-    return buf.tell()
+    return _put_table(fs, uri, decisions, DIVERGENCE_SCHEMA, "decisions do not match DIVERGENCE_SCHEMA")
 
 
 def read_step(fs, uri: str) -> pa.Table:
