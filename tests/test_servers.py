@@ -12,6 +12,8 @@ import pytest
 
 from infra.rollout.engine import SampleRequest
 
+pytestmark = pytest.mark.integration  # two real vLLM servers, dockerd
+
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
