@@ -1,6 +1,6 @@
 # agentrl: agentic RL post-training as Prefect flows.
 #   make run    set up everything and run the 2-step quickstart (configs/quickstart.toml)
-#   make test   set up everything and run the tests (unit + integration)
+#   make test   set up everything and run the tests (tests/unit + tests/integration)
 SHELL := /bin/bash
 PY := .venv/bin/python
 STATE ?= $(CURDIR)/.state
@@ -43,10 +43,10 @@ run: up model
 	$(SERVICES) && $(PY) -m flows.post_train --config $(CONFIG)
 
 test: up
-	$(SERVICES) && $(PY) -m pytest -q -m "not slow" tests
+	$(SERVICES) && $(PY) -m pytest -q tests/unit tests/integration
 
 test-slow: up model
-	$(SERVICES) && $(PY) -m pytest -q -m slow tests
+	$(SERVICES) && $(PY) -m pytest -q tests/slow
 
 bench-trainer: model
 	$(PY) -m benchmarks.trainer_throughput
@@ -74,7 +74,7 @@ deploy: server
 	$(SERVICES) && PREFECT_API_URL=http://127.0.0.1:4200/api AGENTRL_ROOT=$(CURDIR) .venv/bin/prefect --no-prompt deploy --all
 
 test-unit: venv
-	$(PY) -m pytest -q -m "not integration and not slow" tests
+	$(PY) -m pytest -q tests/unit
 
 lint: venv
 	$(PY) -m ruff check .

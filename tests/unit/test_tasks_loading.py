@@ -12,7 +12,7 @@ from envs.task import TaskError
 from envs.terminal_bench import load_terminal_tasks
 from infra.environments import load_tasks
 
-TERMINAL = Path(__file__).parent.parent / "envs" / "terminal"
+TERMINAL = Path(__file__).parents[2] / "envs" / "terminal"
 
 
 def test_shipped_terminal_tasks_load_with_graded_difficulty():
@@ -68,7 +68,7 @@ def test_extract_program_full_function_or_body():
 
 
 def test_code_file_tasks_load_for_training(tmp_path):
-    code_file = Path(__file__).parent.parent / "envs" / "simple_code" / "problems.jsonl"
+    code_file = Path(__file__).parents[2] / "envs" / "simple_code" / "problems.jsonl"
     tasks, split, errors = load_tasks(None, [], 0, 0, code_file)
     assert errors == [] and len(tasks) == 12 and set(split.values()) == {"train"}
     add = tasks["code/SimpleCode/0"]
@@ -93,7 +93,7 @@ def test_code_file_tasks_load_for_training(tmp_path):
         load_tasks(tmp_path / "nowhere", [], 0, 0)
 
 
-HARBOR = Path(__file__).parent.parent / "envs" / "harbor"
+HARBOR = Path(__file__).parents[2] / "envs" / "harbor"
 
 
 def test_shipped_harbor_tasks_load():
@@ -191,7 +191,7 @@ def test_load_taskset_detects_each_format(tmp_path):
 
     shutil.copytree(TERMINAL / "hello-file", tmp_path / "tb-task")
     shutil.copytree(HARBOR / "count-words", tmp_path / "harbor-task")
-    shutil.copy(Path(__file__).parent.parent / "envs" / "simple_code" / "problems.jsonl", tmp_path / "code.jsonl")
+    shutil.copy(Path(__file__).parents[2] / "envs" / "simple_code" / "problems.jsonl", tmp_path / "code.jsonl")
     (tmp_path / "notes").mkdir()
     assert [detect_format(tmp_path / n) for n in ("tb-task", "harbor-task", "code.jsonl", "notes")] == [
         "terminal-bench", "harbor", "humaneval", None]

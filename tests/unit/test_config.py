@@ -8,7 +8,7 @@ import pytest
 
 from infra.config import ConfigError, RunConfig, load_config
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -14,7 +14,7 @@ import pytest
 
 from infra.store import read_history
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration
 
 

@@ -18,7 +18,7 @@ from envs.verify import verify_harbor
 from infra.environments import BASE_IMAGE, build_catalog
 from infra.sandbox.base import SandboxInfraError
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 HARBOR = ROOT / "envs" / "harbor"
 TERMINAL = ROOT / "envs" / "terminal"
 pytestmark = pytest.mark.integration

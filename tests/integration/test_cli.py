@@ -1,43 +1,17 @@
-"""The flows' command line: a bad config or an unusable input is one ``error:`` line and exit 2, before the flow.
+"""The flows' command line on real services: an unusable input is one ``error:`` line and exit 2, before the flow.
 
-Each case points a real check at a real thing that is not there (a closed port, a missing socket,
-a missing folder); nothing is faked. The run id of every case is fresh and is checked to have
-written nothing to the store.
+Each case points a real check at a real thing that is not there (a missing socket, a missing
+folder); nothing is faked. The run id of every case is fresh and is checked to have written
+nothing to the store.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
-QUICKSTART = ROOT / "configs" / "quickstart.toml"
-
-
-def _cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
-
-
-def test_dead_s3_endpoint_is_named_before_the_flow_starts():
-    env = {"AGENTRL_S3_ENDPOINT": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    r = _cli("flows.post_train", "--config", str(QUICKSTART), "--run-id", "cli-dead-s3", env=env)
-    assert r.returncode == 2, r.stderr[-2000:]
-    err = r.stderr.strip().splitlines()
-    assert err[-1].startswith(f"error: {QUICKSTART}: storage: S3 endpoint http://127.0.0.1:9 not reachable"), err
-    assert "Traceback" not in r.stderr and "Beginning flow run" not in r.stderr + r.stdout
-
-
-def test_dead_s3_endpoint_in_make_up_is_a_clear_error():
-    from infra.services import _ensure_bucket
-
-    with pytest.raises(RuntimeError, match=r"S3 at http://127.0.0.1:9: cannot list/create bucket 'agentrl'"):
-        _ensure_bucket("http://127.0.0.1:9", "k", "s", "agentrl")
+from tests.helpers import run_cli
 
 
 @pytest.mark.integration
@@ -57,7 +31,7 @@ def test_unusable_input_is_one_error_line_and_nothing_is_written(services_env, s
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'run_id = "{run_id}"\n' + toml)
-    r = _cli("flows.post_train", "--config", str(cfg), env=env)
+    r = run_cli("flows.post_train", "--config", str(cfg), env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {cfg}: {message}"), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -69,7 +43,7 @@ def test_unusable_input_is_one_error_line_and_nothing_is_written(services_env, s
 def test_evaluate_cli_refuses_another_precision_before_loading(services_env, tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('run_id = "cli-eval-dtype"\n[eval]\ndtype = "bfloat16"\n')
-    r = _cli("flows.evaluate", "--config", str(cfg))
+    r = run_cli("flows.evaluate", "--config", str(cfg))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(
         f"error: {cfg}: eval.dtype=bfloat16 but model.serving_dtype=float32: evaluation runs in the serving precision")

@@ -1,9 +1,8 @@
-"""Trajectory store: schema enforced on write, atomic step files on a real SeaweedFS."""
+"""Trajectory store on a real SeaweedFS: schema enforced on write, atomic step files."""
 
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,34 +14,9 @@ from infra.store import (
     read_history,
     read_step,
     step_uri,
-    validate_rows,
     write_step,
 )
-
-
-def make_row(**over):
-    row = {name: None for name in TRAJECTORY_SCHEMA.names}
-    row.update(run_id="r", step=0, episode_id="e0", task_id="tb/x", group_id="r/0/tb/x", sample_index=0, attempt=0,
-               token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -1.0],
-               policy_versions=[-1, -1, 3, 4], min_policy_version=3, max_policy_version=4, prompt_tokens=2,
-               completion_tokens=2, reward=1.0, outcome="success", reason="tests_passed", stop_reason="stop",
-               agent_end="done", num_turns=1, commands=[], image="img", image_digest="sha256:x", seed=1,
-               temperature=1.0, top_p=1.0, max_tokens=8, queue_s=0.0, sandbox_acquire_s=0.1, generation_s=0.2,
-               tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s")
-    row.update(over)
-    return row
-
-
-def test_validate_rows_invariants():
-    validate_rows([make_row()])
-    with pytest.raises(SchemaError, match="'loss_mask' has 3 entries, token_ids has 4"):
-        validate_rows([make_row(loss_mask=[0, 1, 1])])
-    with pytest.raises(SchemaError, match="min/max_policy_version 0/4 != tokens' 3/4"):
-        validate_rows([make_row(min_policy_version=0)])
-    with pytest.raises(SchemaError, match="unknown columns \\['extra'\\]"):
-        validate_rows([make_row(extra=1)])
-    with pytest.raises(SchemaError, match="NaN rollout logprob"):
-        validate_rows([make_row(rollout_logprobs=[0.0, 0.0, float("nan"), -1.0])])
+from tests.helpers import ROOT, make_row
 
 
 @pytest.mark.integration
@@ -90,7 +64,7 @@ import io, os, random, sys
 import aiohttp.http_writer as hw
 import pyarrow as pa, pyarrow.parquet as pq
 sys.path.insert(0, os.getcwd())
-from tests.test_store import make_row
+from tests.helpers import make_row
 from infra.storage import s3_filesystem
 from infra.store import TRAJECTORY_SCHEMA, write_step
 
@@ -127,7 +101,7 @@ def test_process_killed_mid_put_leaves_no_object(s3, services_env):
     good = step_uri("agentrl", "test", run, 0)
     write_step(s3, good, [make_row()])
     uri = step_uri("agentrl", "test", run, 1)
-    r = subprocess.run([sys.executable, "-c", _CRASH_MID_PUT, uri], cwd=Path(__file__).parent.parent,
+    r = subprocess.run([sys.executable, "-c", _CRASH_MID_PUT, uri], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 9, (r.stdout, r.stderr[-2000:])
     assert "write_step returned" not in r.stdout
@@ -195,8 +169,8 @@ def test_listing_sees_a_file_another_process_added(s3, services_env):
     assert read_history(s3, "agentrl", "test", run, ["step"]).num_rows == 1  # listing now cached by s3fs
     code = (
         "from infra.storage import s3_filesystem; from infra.store import write_step, step_uri;"
-        "from tests.test_store import make_row;"
+        "from tests.helpers import make_row;"
         f"write_step(s3_filesystem('agentrl'), step_uri('agentrl', 'test', '{run}', 1), [make_row(step=1)])"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parent.parent))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(ROOT))
     assert read_history(s3, "agentrl", "test", run, ["step"]).column("step").to_pylist() == [0, 1]

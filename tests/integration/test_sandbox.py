@@ -13,7 +13,7 @@ from envs.terminal_bench import load_terminal_task, load_terminal_tasks
 from envs.verify import verify_terminal
 from infra.environments import BASE_IMAGE
 
-TERMINAL = Path(__file__).parent.parent / "envs" / "terminal"
+TERMINAL = Path(__file__).parents[2] / "envs" / "terminal"
 pytestmark = pytest.mark.integration
 
 
@@ -175,7 +175,7 @@ def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):
     from infra.sandbox.docker_backend import OWNER_LABEL
 
     r = subprocess.run([sys.executable, "-c", _WARM_THEN_EXIT, f"exit-{uuid.uuid4().hex[:8]}"],
-                       cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+                       cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     _, owner, _, idle = r.stdout.split()[-4:]
     assert idle == "2", r.stdout  # two warm sandboxes ran while the process lived

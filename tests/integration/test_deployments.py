@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration
 
 

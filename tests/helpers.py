@@ -1,0 +1,36 @@
+"""Helpers shared by more than one tier: the repository root, the flows' CLI in a subprocess, a trajectory row.
+
+Light on purpose (no service, nothing heavy imported at module level): unit tests import it too, and
+subprocesses started by integration tests import ``make_row`` from here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository root, with ``env`` over this process's environment."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def make_row(**over):
+    """A valid trajectory row (every column of ``TRAJECTORY_SCHEMA``), with ``over`` applied."""
+    from infra.store import TRAJECTORY_SCHEMA
+
+    row = {name: None for name in TRAJECTORY_SCHEMA.names}
+    row.update(run_id="r", step=0, episode_id="e0", task_id="tb/x", group_id="r/0/tb/x", sample_index=0, attempt=0,
+               token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, -1.0],
+               policy_versions=[-1, -1, 3, 4], min_policy_version=3, max_policy_version=4, prompt_tokens=2,
+               completion_tokens=2, reward=1.0, outcome="success", reason="tests_passed", stop_reason="stop",
+               agent_end="done", num_turns=1, commands=[], image="img", image_digest="sha256:x", seed=1,
+               temperature=1.0, top_p=1.0, max_tokens=8, queue_s=0.0, sandbox_acquire_s=0.1, generation_s=0.2,
+               tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s")
+    row.update(over)
+    return row
