@@ -119,12 +119,12 @@ def real(batch: int, group_size: int, replicas: int, steps: int, train_s: float,
          max_turns: int, tool_median_s: float, tool_sigma: float, tool_cap_s: float) -> tuple[dict, FleetModel]:
     """Run both configurations with real vLLM servers and Docker sandboxes; returns results and the fitted model."""
     from infra.environments import BASE_IMAGE, build_catalog, load_tasks
+    from infra.layout import repo_root
     from infra.model import resolve_model
     from infra.rollout.collector import Collector, CollectSettings
     from infra.rollout.servers import ServerEngine, start_servers
     from infra.sandbox.docker_backend import DockerBackend
     from infra.sandbox.pool import WarmPool
-    from tasks.runtime import repo_root
 
     backend = DockerBackend()
     tasks, split, errors = load_tasks(repo_root() / "envs/terminal", [], 0, 0)

@@ -20,10 +20,11 @@ import numpy as np
 
 def reward_curve(bucket: str, prefix: str, run_id: str) -> list[float]:
     """Mean reward of each stored step of a run (infra failures left out), in step order."""
+    from infra.layout import RunLayout
     from infra.storage import s3_filesystem
     from infra.store import read_history
 
-    table = read_history(s3_filesystem(bucket), bucket, prefix, run_id, ["step", "reward", "outcome"])
+    table = read_history(s3_filesystem(bucket), RunLayout(bucket, prefix, run_id), ["step", "reward", "outcome"])
     steps, rewards, outcomes = (table.column(c).to_pylist() for c in ("step", "reward", "outcome"))
     by_step: dict[int, list[float]] = {}
     for s, r, o in zip(steps, rewards, outcomes, strict=True):
@@ -39,10 +40,12 @@ def task_matched_gain(bucket: str, prefix: str, run_id: str, steps: int) -> dict
     difficulty into the trend; this compares each task only with itself, over tasks attempted in
     both halves, and averages. Returns ``{"tasks", "early", "late", "gain"}``.
     """
+    from infra.layout import RunLayout
     from infra.storage import s3_filesystem
     from infra.store import read_history
 
-    table = read_history(s3_filesystem(bucket), bucket, prefix, run_id, ["task_id", "step", "reward", "outcome"])
+    table = read_history(s3_filesystem(bucket), RunLayout(bucket, prefix, run_id),
+                         ["task_id", "step", "reward", "outcome"])
     halves: dict[str, tuple[list[float], list[float]]] = {}
     for t, s, r, o in zip(*(table.column(c).to_pylist() for c in ("task_id", "step", "reward", "outcome")),
                           strict=True):

@@ -10,6 +10,7 @@ import sys
 from prefect import flow
 
 from infra.config import RunConfig
+from infra.run import Run
 from tasks.build_envs import build_envs as build_envs_task
 from tasks.build_envs import materialize_task_images
 
@@ -23,8 +24,9 @@ def build_envs(config: RunConfig = DEFAULT_CONFIG) -> dict:
     Returns:
         ``{"catalog": URI, "images": [asset keys]}``.
     """
-    catalog_uri = build_envs_task(config)
-    images = materialize_task_images(config, catalog_uri)
+    with Run.open(config, model=False) as run:
+        catalog_uri = build_envs_task(run)
+        images = materialize_task_images(run)
     print(f"environments of {config.run_id}: {catalog_uri} ({len(images)} images)")
     return {"catalog": catalog_uri, "images": images}
 

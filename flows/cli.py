@@ -11,65 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infra.config import ConfigError, RunConfig, load_config
+from infra.config import ConfigError, load_config
+from infra.preflight import RunInputError, preflight
 
-
-class RunInputError(ValueError):
-    """An input of the run (endpoint, engine, task source, model) cannot be used; the message names it."""
-
-
-def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tasks: bool = True) -> None:
-    """Check that the run's inputs are reachable and readable; writes nothing.
-
-    Args:
-        config: the run config.
-        docker: check the Docker engine (``DOCKER_HOST`` or the default socket) answers a ping.
-        model: check ``model.path`` is an HF model folder (or the built-in SmolLM2 name), unless the
-            run already published a version (a resumed run starts from its newest checkpoint).
-        tasks: load the configured task sources (fatal errors only; a broken task is reported
-            by ``build_envs`` and does not stop the others).
-
-    Raises:
-        RunInputError: the first input that cannot be used, by name.
-    """
-    from infra.storage import StorageError, s3_filesystem
-
-    try:
-        fs = s3_filesystem(config.storage.bucket)
-    except StorageError as e:
-        raise RunInputError(f"storage: {e}") from e
-    if docker:
-        import os
-
-        import docker as docker_sdk
-
-        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-        try:
-            client = docker_sdk.from_env(timeout=10)
-            client.ping()
-            client.close()
-        except Exception as e:  # docker raises DockerException, requests' ConnectionError, OSError...
-            raise RunInputError(f"Docker engine at {where} not reachable (DOCKER_HOST): {e}; "
-                                "run `make up` and source .state/services.env") from e
-    if tasks:
-        from envs.task import TaskError
-        from tasks.runtime import load_run_tasks
-
-        try:
-            load_run_tasks(config)
-        except (TaskError, ValueError, TypeError) as e:
-            raise RunInputError(f"tasks: {e}") from e
-    if model:
-        from infra.checkpoint import published_versions
-        from infra.model import SMOLLM2, resolve_model
-
-        s = config.storage
-        # the built-in model is prepared on first use; a resumed run never reads model.path
-        if config.model.path != SMOLLM2 and not published_versions(fs, s.bucket, s.prefix, config.run_id):
-            try:
-                resolve_model(config.model.path)
-            except FileNotFoundError as e:
-                raise RunInputError(str(e)) from e
+__all__ = ["RunInputError", "preflight", "run_flow_cli"]
 
 
 def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,

@@ -8,17 +8,18 @@ step whose stored rollouts are still valid is reused (see ``tasks.rollouts.rollo
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from typing import Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
+from infra.run import Run
 from tasks.build_envs import task_image_assets
 from tasks.difficulty import refresh_difficulty
 from tasks.policy import prepare_policy
 from tasks.rollouts import rollouts_for_step
-from tasks.runtime import run_uri
 
 DEFAULT_CONFIG = RunConfig()
 
@@ -33,7 +34,8 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     servers this flow starts and the workers reach over HTTP.
 
     Returns:
-        The collection summary (URI, rows, time to batch, outcomes, reward mean).
+        The collection summary (``infra.summary.RolloutStats`` fields: URI, rows, time to batch,
+        outcomes, reward mean, ...; with Ray also ``fan_out`` and ``worker_pids``).
 
     Raises:
         ValueError: ``fan_out="ray"`` without ``rollout.engine = "servers"``.
@@ -41,39 +43,35 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     if fan_out == "ray" and config.rollout.engine != "servers":
         raise ValueError("collect_rollouts: fan_out=\"ray\" needs rollout.engine = \"servers\" (Ray workers reach "
                          "the engines over HTTP; an in-process engine cannot be shared)")
-    catalog_uri = f"{run_uri(config)}/envs.json"
-    policy = prepare_policy(config)
-    step = policy["next_step"] if step is None else step
-    selection = refresh_difficulty(config, catalog_uri, step)
-    deps = task_image_assets(config, catalog_uri, selection["chosen"])
-    if fan_out == "ray":
-        return _collect_on_ray(config, catalog_uri, selection["chosen"], step, deps, policy["version"], ray_address)
-    result = rollouts_for_step(config, catalog_uri, selection["chosen"], step, deps, policy["version"])
-    print(f"step {step}: {result['rows']} rows, reward mean {result['reward_mean']:.3f}, {result['outcomes']}"
-          f"{' (reused: stored by an earlier attempt of this step)' if result['reused'] else ''}")
-    return result
+    with Run.open(config) as run:
+        next_step = prepare_policy(run)
+        step = next_step if step is None else step
+        selection = refresh_difficulty(run, step)
+        deps = task_image_assets(run, selection.chosen)
+        if fan_out == "ray":
+            return _collect_on_ray(run, selection.chosen, step, deps, ray_address)
+        result = rollouts_for_step(run, selection.chosen, step, deps)
+    print(f"step {step}: {result.rows} rows, reward mean {result.reward_mean:.3f}, {result.outcomes}"
+          f"{' (reused: stored by an earlier attempt of this step)' if result.reused else ''}")
+    return asdict(result)
 
 
-def _collect_on_ray(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int, deps: list[str],
-                    version: int, ray_address: str) -> dict:
+def _collect_on_ray(run: Run, task_ids: list[str], step: int, deps: list[str], ray_address: str) -> dict:
     from infra.rollout.servers import RemoteServer
     from tasks.fanout import collect_groups, ray_task_runner
     from tasks.lineage import as_asset
     from tasks.rollouts import store_step
-    from tasks.runtime import runtime
 
-    rt = runtime(config)
-    servers = [vars(RemoteServer.of(s)) for s in rt.engine.servers.values()]  # starts them on first use
-    catalog = rt.load_catalog(catalog_uri)
-    images = {e["task_id"]: (e["image"], e["image_digest"]) for e in catalog["tasks"] if e["usable"]}
+    servers = [vars(RemoteServer.of(s)) for s in run.engine.servers.values()]  # starts them on first use
     fan = collect_groups.with_options(task_runner=ray_task_runner(ray_address))
-    gathered = fan(config, servers, version, [rt.tasks[t] for t in task_ids], step, images)
-    uri = f"{run_uri(config)}/trajectories/step-{step:06d}.parquet"
+    gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step,
+                   run.catalog.images())
     store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)
-    result = as_asset(store, uri, deps)(config, step, gathered["rows"], [], {}, gathered["wall_s"])
-    print(f"step {step}: {result['rows']} rows from {len(task_ids)} groups on Ray, reward mean "
-          f"{result['reward_mean']:.3f}, {result['outcomes']}")
-    return {**result, "reused": False, "fan_out": "ray", "worker_pids": gathered["worker_pids"]}
+    result = as_asset(store, run.layout.trajectories(step), deps)(run, step, gathered["rows"], [], {},
+                                                                  gathered["wall_s"])
+    print(f"step {step}: {result.rows} rows from {len(task_ids)} groups on Ray, reward mean "
+          f"{result.reward_mean:.3f}, {result.outcomes}")
+    return {**asdict(result), "fan_out": "ray", "worker_pids": gathered["worker_pids"]}
 
 
 if __name__ == "__main__":

@@ -15,21 +15,15 @@ import sys
 
 from prefect import flow, get_run_logger
 
-from infra.checkpoint import CheckpointError, checkpoint_uri, published_versions
+from infra.checkpoint import published_versions
 from infra.config import RunConfig
 from infra.evaluate import eval_precision
+from infra.run import Run
 from tasks.evaluate import eval_settings
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.lineage import as_asset
-from tasks.publish import hot_load
-from tasks.runtime import run_uri, runtime, work_dir
 
 DEFAULT_CONFIG = RunConfig()
-
-
-def report_uri_for(ckpt: str, dtype: str, mismatch: bool) -> str:
-    """Where the report of ``ckpt`` in ``dtype`` lives: ``eval.json`` (serving precision) or apart."""
-    return f"{ckpt}/eval-{dtype}-not-serving.json" if mismatch else f"{ckpt}/eval.json"
 
 
 @flow(name="evaluate", log_prints=True)
@@ -48,45 +42,34 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
     """
     dtype, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
                                      config.eval.allow_precision_mismatch)
-    rt = runtime(config)
-    s = config.storage
-    versions = published_versions(rt.fs, s.bucket, s.prefix, config.run_id)
-    if not versions or (version is not None and version not in versions):
-        raise ValueError(f"run {config.run_id}: checkpoint version {version} not published (have {versions})")
-    version = version if version is not None else versions[-1]
-    ckpt = checkpoint_uri(s.bucket, s.prefix, config.run_id, version)
-    report_uri = report_uri_for(ckpt, dtype, mismatch)
-    reason = ""
-    rt.fs.invalidate_cache()
-    if rt.fs.exists(report_uri):
-        stored = json.loads(rt.fs.cat_file(report_uri))
-        same = (stored.get("dtype") == dtype and stored.get("settings") == eval_settings(config)
-                and stored.get("version") == version)
-        if same and not force:
-            print(f"{report_uri}: up to date ({dtype}, same settings); not re-evaluated")
-            return {**stored, "reused": True}
-        reason = ("forced" if same else f"dtype {stored.get('dtype')} -> {dtype}" if stored.get("dtype") != dtype
-                  else f"version {stored.get('version')} -> {version}" if stored.get("version") != version
-                  else f"settings {stored.get('settings')} -> {eval_settings(config)}")
-        if stored.get("dtype") != dtype:  # keep the report of the old serving precision
-            rt.fs.copy(report_uri, f"{ckpt}/eval-served-{stored.get('dtype')}.json")
-        get_run_logger().info("re-evaluating v%d: %s", version, reason)
-    if rt.policy_dir and rt._engine is not None:  # an engine already serves in this process: load the version
-        loaded = hot_load(config, ckpt)
-        if loaded["refused"]:
-            raise CheckpointError(f"{ckpt}: refused, not evaluated (the engine still serves v{loaded['version']}): "
-                                  f"{loaded['refused']}")
-    else:
-        from infra.checkpoint import fetch
-
-        local = work_dir(config.run_id) / f"v{version}"
-        fetch(rt.fs, ckpt, local)
-        rt.policy_dir, rt.policy_version = str(local), version
-    previous = report_uri_for(checkpoint_uri(s.bucket, s.prefix, config.run_id, version - 1), dtype, mismatch)
-    report = as_asset(evaluate_task, report_uri, [ckpt])(config, f"{run_uri(config)}/envs.json", report_uri, previous)
-    if reason:
-        report["reevaluated_because"] = reason
-        rt.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
+    with Run.open(config, model=False) as run:
+        versions = published_versions(run.fs, run.layout)
+        if not versions or (version is not None and version not in versions):
+            raise ValueError(f"run {config.run_id}: checkpoint version {version} not published (have {versions})")
+        version = version if version is not None else versions[-1]
+        layout = run.layout
+        ckpt, report_uri = layout.checkpoint(version), layout.eval_report(version, dtype, mismatch)
+        reason = ""
+        run.fs.invalidate_cache()
+        if run.fs.exists(report_uri):
+            stored = json.loads(run.fs.cat_file(report_uri))
+            same = (stored.get("dtype") == dtype and stored.get("settings") == eval_settings(config)
+                    and stored.get("version") == version)
+            if same and not force:
+                print(f"{report_uri}: up to date ({dtype}, same settings); not re-evaluated")
+                return {**stored, "reused": True}
+            reason = ("forced" if same else f"dtype {stored.get('dtype')} -> {dtype}" if stored.get("dtype") != dtype
+                      else f"version {stored.get('version')} -> {version}" if stored.get("version") != version
+                      else f"settings {stored.get('settings')} -> {eval_settings(config)}")
+            if stored.get("dtype") != dtype:  # keep the report of the old serving precision
+                run.fs.copy(report_uri, layout.eval_served(version, stored.get("dtype")))
+            get_run_logger().info("re-evaluating v%d: %s", version, reason)
+        run.serve_published(version)
+        previous = layout.eval_report(version - 1, dtype, mismatch)
+        report = as_asset(evaluate_task, report_uri, [ckpt])(run, report_uri, previous)
+        if reason:
+            report["reevaluated_because"] = reason
+            run.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
     scores = " ".join(f"pass@{k} {v:.3f}" for k, v in report["pass_at_k"].items())
     print(f"{ckpt}: {scores} on {report['tasks']} held-out tasks ({report['dtype']}"
           f"{', NOT the serving precision ' + config.model.serving_dtype if mismatch else ''})")

@@ -7,12 +7,13 @@ deployment. Uses the run's existing ``envs.json`` (run ``build_envs`` first).
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 from prefect import flow
 
 from infra.config import RunConfig
+from infra.run import Run
 from tasks.difficulty import refresh_difficulty as refresh_task
-from tasks.runtime import run_uri
 
 DEFAULT_CONFIG = RunConfig()
 
@@ -20,10 +21,10 @@ DEFAULT_CONFIG = RunConfig()
 @flow(name="refresh_difficulty", log_prints=True)
 def refresh_difficulty(config: RunConfig = DEFAULT_CONFIG, step: int = 0) -> dict:
     """Choose the tasks of ``step`` from past pass rates (see ``infra.difficulty``)."""
-    selection = refresh_task(config, f"{run_uri(config)}/envs.json", step)
-    print(f"step {step}: chosen {selection['chosen']}, skipped {selection['skipped']}, "
-          f"revisited {selection['revisited']}")
-    return selection
+    with Run.open(config, docker=False, model=False, tasks=False) as run:
+        selection = refresh_task(run, step)
+    print(f"step {step}: chosen {selection.chosen}, skipped {selection.skipped}, revisited {selection.revisited}")
+    return asdict(selection)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from infra.layout import RunLayout
+
 MANIFEST = "manifest.json"
 
 
@@ -33,11 +35,6 @@ def file_entries(folder: Path) -> dict[str, dict]:
     """``{file name: {"sha256", "size"}}`` for every file of ``folder`` (the manifest's ``files``)."""
     return {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-
-
-def checkpoint_uri(bucket: str, prefix: str, run_id: str, version: int) -> str:
-    """Folder URI of checkpoint version ``version``."""
-    return f"s3://{bucket}/{prefix}/{run_id}/checkpoints/v{version}"
 
 
 def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, step: int, dtype: str) -> dict:
@@ -97,10 +94,10 @@ def fetch(fs, uri: str, local_dir: Path) -> dict:
     return manifest
 
 
-def published_versions(fs, bucket: str, prefix: str, run_id: str) -> list[int]:
+def published_versions(fs, layout: RunLayout) -> list[int]:
     """Versions of the run that have a complete manifest, ascending."""
     fs.invalidate_cache()
-    root = f"{bucket}/{prefix}/{run_id}/checkpoints"
+    root = layout.checkpoints_dir
     if not fs.exists(root):
         return []
     versions = []

@@ -26,6 +26,8 @@ from envs.humaneval import load_humaneval
 from envs.task import Outcome, Task, TaskError
 from envs.taskset import load_taskset
 from envs.verify import Verdict, verify_code, verify_task
+from infra.config import TaskSetConfig
+from infra.layout import resolve_path
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend
 
@@ -107,6 +109,12 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
     for t in load_humaneval(last=humaneval_eval) if humaneval_eval else []:
         tasks[t.task_id], split[t.task_id] = t, "eval"
     return tasks, split, errors
+
+
+def load_run_tasks(t: TaskSetConfig) -> tuple[dict[str, Task], dict[str, str], list[str]]:
+    """Every task a run's ``tasks`` config names: ``(tasks by id, split by id, load errors)`` (see ``load_tasks``)."""
+    return load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids, t.humaneval_train, t.humaneval_eval,
+                      resolve_path(t.code_file), [resolve_path(p) for p in t.task_sets if p])
 
 
 def _tree_hash(folder: Path | None) -> str:
@@ -262,6 +270,33 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
     return entries, logs
 
 
-def catalog_to_json(entries: list[EnvEntry], errors: list[str]) -> dict:
-    """The catalog as stored (``envs.json``)."""
-    return {"tasks": [asdict(e) for e in entries], "load_errors": errors}
+@dataclass(frozen=True)
+class Catalog:
+    """The run's environments (``envs.json``): one entry per task, and the task folders that failed to load."""
+
+    entries: tuple[EnvEntry, ...]
+    load_errors: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        """The catalog as stored: ``{"tasks": [entry fields], "load_errors": [messages]}``."""
+        return {"tasks": [asdict(e) for e in self.entries], "load_errors": list(self.load_errors)}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "envs.json") -> Catalog:
+        """Parse a stored catalog.
+
+        Raises:
+            ValueError: an entry misses a field or has an unknown one; the message names ``source``.
+        """
+        try:
+            return cls(tuple(EnvEntry(**e) for e in data["tasks"]), tuple(data.get("load_errors", ())))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{source}: not a catalog of this version ({e}); rebuild it with build_envs") from e
+
+    def usable(self, split: str | None = None) -> list[EnvEntry]:
+        """Usable entries, of one split (``train``/``eval``) or all."""
+        return [e for e in self.entries if e.usable and (split is None or e.split == split)]
+
+    def images(self, split: str | None = None) -> dict[str, tuple[str, str]]:
+        """Usable task id -> (image tag, image digest)."""
+        return {e.task_id: (e.image, e.image_digest) for e in self.usable(split)}

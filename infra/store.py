@@ -1,6 +1,6 @@
 """Trajectory storage: one Parquet file per step on S3, schema declared once and enforced on write.
 
-Layout: ``s3://{bucket}/{prefix}/{run_id}/trajectories/step-{step:06d}.parquet``. A file is
+Layout: ``RunLayout.trajectories(step)`` (``{run}/trajectories/step-{step:06d}.parquet``). A file is
 serialized fully in memory and sent in one PUT, so a crash mid-write leaves no partial object
 visible to readers (S3 makes an object visible only when its upload completes). Rewriting a
 step replaces its file: a step re-run after a crash never duplicates rows.
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from infra.layout import RunLayout
 
 #: One row per episode. Invariants: ``token_ids``, ``loss_mask``, ``rollout_logprobs`` and
 #: ``policy_versions`` have equal length; ``loss_mask[i] == 1`` exactly for tokens the policy
@@ -90,11 +92,6 @@ def validate_rows(rows: Sequence[dict]) -> None:
             raise SchemaError(f"row {i} ({row['episode_id']}): NaN rollout logprob on a sampled token")
 
 
-def step_uri(bucket: str, prefix: str, run_id: str, step: int) -> str:
-    """URI of one step's trajectory file."""
-    return f"s3://{bucket}/{prefix}/{run_id}/trajectories/step-{step:06d}.parquet"
-
-
 def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
     """Validate and write one step's rows as a single Parquet object; returns its size in bytes.
 
@@ -153,10 +150,10 @@ def read_step(fs, uri: str) -> pa.Table:
     return table
 
 
-def read_history(fs, bucket: str, prefix: str, run_id: str, columns: Sequence[str]) -> pa.Table:
+def read_history(fs, layout: RunLayout, columns: Sequence[str]) -> pa.Table:
     """Selected columns of every stored step of a run (empty table when none)."""
     fs.invalidate_cache()
-    root = f"{bucket}/{prefix}/{run_id}/trajectories"
+    root = layout.trajectories_dir
     paths = sorted(p for p in (fs.glob(f"{root}/step-*.parquet") if fs.exists(root) else []))
     tables = []
     for p in paths:

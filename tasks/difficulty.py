@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import RunConfig
 from infra.difficulty import pass_stats, select_tasks
+from infra.run import Run
 from infra.store import read_history
-from tasks.runtime import runtime
+from infra.summary import Selection
 
 
 @task(name="refresh_difficulty", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def refresh_difficulty(config: RunConfig, catalog_uri: str, step: int) -> dict:
-    """Choose the step's training tasks from past pass rates.
-
-    Returns:
-        ``{"chosen": [task ids], "skipped": {task id: reason}, "revisited": [skipped task ids chosen anyway],
-        "pass_rates": {task id: rate}}``.
-    """
-    rt = runtime(config)
-    catalog = rt.load_catalog(catalog_uri)
-    train_ids = [e["task_id"] for e in catalog["tasks"] if e["usable"] and e["split"] == "train"]
-    s = config.storage
-    hist = read_history(rt.fs, s.bucket, s.prefix, config.run_id, ["task_id", "step", "reward", "outcome"])
-    records = list(zip(*(hist.column(c).to_pylist() for c in ("task_id", "step", "reward", "outcome")), strict=True))
-    d = config.difficulty
+def refresh_difficulty(run: Run, step: int) -> Selection:
+    """Choose the step's training tasks from past pass rates (``infra.difficulty``)."""
+    start = time.monotonic()
+    train_ids = [e.task_id for e in run.catalog.usable("train")]
+    columns = ("task_id", "step", "reward", "outcome")
+    hist = read_history(run.fs, run.layout, list(columns))
+    records = list(zip(*(hist.column(c).to_pylist() for c in columns), strict=True))
+    d, r = run.config.difficulty, run.config.rollout
     stats = pass_stats(records, d.window)
-    sel = select_tasks(train_ids, stats, config.rollout.tasks_per_step, d.window, d.hopeless_min_attempts,
-                       d.explore_min_attempts, seed=config.rollout.seed * 7919 + step, revisit_frac=d.revisit_frac)
-    return {"chosen": sel.chosen, "skipped": sel.skipped, "revisited": sel.revisited,
-            "pass_rates": {t: stats[t].pass_rate for t in sel.chosen if t in stats}}
+    sel = select_tasks(train_ids, stats, r.tasks_per_step, d.window, d.hopeless_min_attempts,
+                       d.explore_min_attempts, seed=r.seed * 7919 + step, revisit_frac=d.revisit_frac)
+    return Selection(sel.chosen, sel.skipped, sel.revisited,
+                     {t: stats[t].pass_rate for t in sel.chosen if t in stats}, time.monotonic() - start)

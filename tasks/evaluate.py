@@ -9,14 +9,14 @@ from prefect import task
 from prefect.assets import add_asset_metadata
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import RunConfig
-from infra.environments import BASE_IMAGE
 from infra.evaluate import PrecisionMismatch, compare_reports, eval_precision, eval_report
-from infra.rollout.collector import Collector, CollectSettings
-from tasks.runtime import runtime
+from infra.rollout.collector import CollectSettings
+from infra.run import Run
+from infra.summary import EvalResult, PublishResult
+from tasks.lineage import as_asset
 
 
-def eval_settings(config: RunConfig) -> dict:
+def eval_settings(config) -> dict:
     """The settings a report was made with; a stored report is reused only when they match."""
     e = config.eval
     return {"samples_per_task": e.samples_per_task, "k": list(e.k), "temperature": e.temperature,
@@ -24,7 +24,7 @@ def eval_settings(config: RunConfig) -> dict:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(config: RunConfig, catalog_uri: str, report_uri: str, previous_uri: str = "") -> dict:
+def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
     """pass@k (``eval.k``, ``eval.samples_per_task`` attempts per task) on every usable held-out task.
 
     Runs with the engine as it serves now, in the serving dtype (or, with
@@ -40,32 +40,43 @@ def evaluate(config: RunConfig, catalog_uri: str, report_uri: str, previous_uri:
     Raises:
         PrecisionMismatch: the precision is refused, or the engine in this process serves another dtype.
     """
+    config = run.config
     dtype, _ = eval_precision(config.model.serving_dtype, config.eval.dtype, config.eval.allow_precision_mismatch)
-    rt = runtime(config)
-    engine = rt.engine_in(dtype)
+    engine = run.engine_in(dtype)
     if engine.dtype != dtype:
         raise PrecisionMismatch(f"the engine in this process serves {engine.dtype}; evaluating in {dtype} needs a "
                                 f"fresh process (python -m flows.evaluate --config ...)")
-    catalog = rt.load_catalog(catalog_uri)
-    held_out = [e for e in catalog["tasks"] if e["usable"] and e["split"] == "eval"]
-    images = {e["task_id"]: (e["image"], e["image_digest"]) for e in held_out}
+    held_out = run.catalog.usable("eval")
     r, e = config.rollout, config.eval
     settings = CollectSettings(group_size=e.samples_per_task, temperature=e.temperature, top_p=1.0,
                                max_tokens_per_turn=e.max_tokens, max_turns=r.max_turns, seed=r.seed,
                                max_infra_retries=r.max_infra_retries)
-    collector = Collector(engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
-    rows = collector.collect(f"{config.run_id}-eval", rt.policy_version, [rt.tasks[x["task_id"]] for x in held_out],
-                             images)
-    report = eval_report(rows, rt.policy_version, engine=f"vllm:{engine.replica}", dtype=engine.dtype, k=e.k,
+    version = run.policy.version
+    rows = run.episode_runner(settings).collect(f"{config.run_id}-eval", version,
+                                                [run.tasks[x.task_id] for x in held_out], run.catalog.images("eval"))
+    report = eval_report(rows, version, engine=f"vllm:{engine.replica}", dtype=engine.dtype, k=e.k,
                          serving_dtype=config.model.serving_dtype)
     report["settings"] = eval_settings(config)
     report["evaluated_at"] = time.time()
-    if previous_uri and rt.fs.exists(previous_uri):
-        previous = json.loads(rt.fs.cat_file(previous_uri))
+    if previous_uri and run.fs.exists(previous_uri):
+        previous = json.loads(run.fs.cat_file(previous_uri))
         if previous.get("dtype") == report["dtype"] and "pass_at_k" in previous:
             report["compared_to"] = compare_reports(report, previous)
-    rt.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
+    run.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
     add_asset_metadata(report_uri, {"version": report["version"], "dtype": report["dtype"],
                                     "precision_mismatch": report["precision_mismatch"],
                                     **{f"pass_at_{k}": v for k, v in report["pass_at_k"].items()}})
     return report
+
+
+def evaluate_published(run: Run, published: PublishResult) -> EvalResult:
+    """The evaluation stage of post_train: evaluate the version just served.
+
+    Skipped when ``eval.enabled`` is off or the checkpoint was refused (a refused version was not loaded).
+    """
+    if not run.config.eval.enabled or published.refused:
+        return EvalResult(None)
+    start = time.monotonic()
+    uri = run.layout.eval_report(published.version)
+    report = as_asset(evaluate, uri, [published.checkpoint])(run, uri, run.layout.eval_report(published.version - 1))
+    return EvalResult(report, time.monotonic() - start)

@@ -38,9 +38,7 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), r.routing,
                           policy_version=policy_version)
     try:
-        settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
-                                   r.seed, r.max_infra_retries)
-        collector = Collector(engine, DockerBackend(), settings, code_image=BASE_IMAGE)
+        collector = Collector(engine, DockerBackend(), CollectSettings.of(r), code_image=BASE_IMAGE)
         rows = collector.collect(config.run_id, step, [task_obj], images, first_group=group_index)
         return {"rows": rows, "pid": os.getpid()}
     finally:

@@ -8,32 +8,32 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import RunConfig
+from infra.layout import artifact_key
 from infra.report import render_report
-from tasks.runtime import artifact_key, run_uri, runtime
+from infra.run import Run
+from infra.summary import StepSummary
 
 
 @task(name="record_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def record_step(config: RunConfig, summary: dict) -> list[dict]:
-    """Store ``summary`` at ``{run}/summaries/step-N.json``, then refresh the run's artifacts.
+def record_step(run: Run, summary: StepSummary) -> list[dict]:
+    """Store the summary at ``RunLayout.summary(step)``, then refresh the run's artifacts.
 
-    The ``<run>-steps`` table and the ``<run>-report`` markdown (also written to ``{run}/report.md``)
+    The ``<run>-steps`` table and the ``<run>-report`` markdown (also written to ``RunLayout.report``)
     cover every stored step, so a resumed run reports all its steps, not only this process's.
     Idempotent: a retry rewrites the same objects.
 
     Returns:
         Every stored summary of the run, by step.
     """
-    fs = runtime(config).fs
-    root = f"{run_uri(config)}/summaries"
-    fs.pipe_file(f"{root}/step-{summary['step']:06d}.json", json.dumps(summary, default=str).encode())
+    fs, layout, run_id = run.fs, run.layout, run.config.run_id
+    fs.pipe_file(layout.summary(summary.step), json.dumps(summary.to_json(), default=str).encode())
     fs.invalidate_cache()
-    history = [json.loads(fs.cat_file(p)) for p in sorted(fs.glob(f"{root}/step-*.json"))]
-    create_table_artifact(key=artifact_key(config.run_id, "steps"),
+    history = [json.loads(fs.cat_file(p)) for p in sorted(fs.glob(layout.summaries_glob))]
+    create_table_artifact(key=artifact_key(run_id, "steps"),
                           table=[{k: str(v) for k, v in x.items()} for x in history],
-                          description=f"post_train {config.run_id}: per-step summary")
-    report = render_report(config.run_id, history)
-    fs.pipe_file(f"{run_uri(config)}/report.md", report.encode())
-    create_markdown_artifact(key=artifact_key(config.run_id, "report"), markdown=report,
-                             description=f"post_train {config.run_id}: reward, lag, time and mismatch plots")
+                          description=f"post_train {run_id}: per-step summary")
+    report = render_report(run_id, history)
+    fs.pipe_file(layout.report, report.encode())
+    create_markdown_artifact(key=artifact_key(run_id, "report"), markdown=report,
+                             description=f"post_train {run_id}: reward, lag, time and mismatch plots")
     return history

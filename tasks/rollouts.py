@@ -10,17 +10,17 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.assets import add_asset_metadata
 
-from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
-from infra.rollout.collector import Collector, CollectSettings
-from infra.store import TRAJECTORY_SCHEMA, step_uri, write_step
-from tasks.runtime import runtime
+from infra.run import Run
+from infra.store import TRAJECTORY_SCHEMA, write_step
+from infra.summary import RolloutStats
+from tasks.lineage import as_asset
 
-ROLLOUTS_RESULT_KEY = "agentrl-rollouts/{parameters[config].run_id}/step-{parameters[step]}.pickle"
+ROLLOUTS_RESULT_KEY = "agentrl-rollouts/{parameters[run].config.run_id}/step-{parameters[step]}.pickle"
 
 
 @task(name="collect_rollouts", persist_result=True, result_storage_key=ROLLOUTS_RESULT_KEY)
-def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int) -> dict:
+def collect_rollouts(run: Run, task_ids: list[str], step: int) -> RolloutStats:
     """Collect a batch of ``len(task_ids)`` complete groups and write ``trajectories/step-N.parquet``.
 
     Idempotent on run id and step: the result is persisted under ``ROLLOUTS_RESULT_KEY``, so a
@@ -35,22 +35,10 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
     policy) are written to ``dropped/step-N.parquet``, never trained on. ``sync``: one
     turn-synchronous batch of exactly the chosen groups.
 
-    Run as a materializing task (the flow gives it the trajectory asset and the image assets as
-    dependencies). Rewriting a step replaces its file, so a re-run never duplicates rows.
-
-    Returns:
-        ``{"uri", "rows", "time_to_batch_s", "outcomes": {outcome: count}, "reward_mean", "bytes",
-        "min_policy_version", "infra_reasons": {reason code: count}, "retried" (rows that are retries),
-        "sandbox_warm" (rows whose sandbox came from the warm pool), "sandbox_acquire_p50_s",
-        "scheduling": the scheduler's batch metrics (async; see ``AsyncCollector.next_batch``) plus
-        ``generation_tokens_per_s`` (while the engine generated), ``engine_idle_s`` (batch wall time
-        the engine was not generating), ``prefix_cache_hit_rate`` (cached prompt tokens / prompt
-        tokens looked up), ``groups_dropped``, ``groups_submitted``}``.
+    Run as a materializing task (:func:`rollouts_for_step` gives it the trajectory asset and the image
+    assets as dependencies). Rewriting a step replaces its file, so a re-run never duplicates rows.
     """
-    rt = runtime(config)
-    catalog = rt.load_catalog(catalog_uri)
-    images = {e["task_id"]: (e["image"], e["image_digest"]) for e in catalog["tasks"] if e["usable"]}
-    r = config.rollout
+    images = run.catalog.images()
     progress = create_progress_artifact(0.0, description=f"step {step}: rollouts finished")
     start = time.monotonic()
 
@@ -59,67 +47,60 @@ def collect_rollouts(config: RunConfig, catalog_uri: str, task_ids: list[str], s
 
     dropped_rows: list[dict] = []
     scheduling: dict = {}
-    if r.scheduler == "sync":
-        settings = CollectSettings(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns,
-                                   r.seed, r.max_infra_retries)
-        collector = Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE, pool=rt.sandbox_pool)
-        rows = collector.collect(config.run_id, step, [rt.tasks[t] for t in task_ids], images, on_progress)
+    if run.config.rollout.scheduler == "sync":
+        rows = run.episode_runner().collect(run.config.run_id, step, [run.tasks[t] for t in task_ids], images,
+                                            on_progress)
     else:
-        rows, dropped_rows, scheduling = _collect_async(rt, config, images, task_ids, step, on_progress)
+        rows, dropped_rows, scheduling = _collect_async(run, images, task_ids, step, on_progress)
     update_progress_artifact(progress, 100.0)
-    return store_step(config, step, rows, dropped_rows, scheduling, time.monotonic() - start)
+    return store_step(run, step, rows, dropped_rows, scheduling, time.monotonic() - start)
 
 
-def store_step(config: RunConfig, step: int, rows: list[dict], dropped_rows: list[dict], scheduling: dict,
-               elapsed_s: float) -> dict:
+def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], scheduling: dict,
+               elapsed_s: float) -> RolloutStats:
     """Write a step's rows (and dropped groups) as Parquet and summarize them (see :func:`collect_rollouts`)."""
-    rt = runtime(config)
-    uri = step_uri(config.storage.bucket, config.storage.prefix, config.run_id, step)
-    size = write_step(rt.fs, uri, rows)
+    uri = run.layout.trajectories(step)
+    size = write_step(run.fs, uri, rows)
     if dropped_rows:
-        write_step(rt.fs, uri.replace("/trajectories/", "/dropped/"), dropped_rows)
-    outcomes: dict[str, int] = {}
-    infra_reasons: dict[str, int] = {}
-    for row in rows:
-        outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
-        if row["outcome"] == "infra_failure":
-            infra_reasons[row["reason"]] = infra_reasons.get(row["reason"], 0) + 1
+        write_step(run.fs, run.layout.dropped(step), dropped_rows)
+    outcomes = Counter(row["outcome"] for row in rows)
+    infra_reasons = Counter(row["reason"] for row in rows if row["outcome"] == "infra_failure")
     acquire = sorted(row["sandbox_acquire_s"] for row in rows if row["sandbox_id"])
     versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
     add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size,
                              "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
-    return {"uri": uri, "rows": len(rows), "collected_at": time.time(),
-            "max_policy_version": max((row["max_policy_version"] for row in rows), default=-1),
-            "time_to_batch_s": scheduling.get("time_to_batch_s", elapsed_s),
-            "outcomes": outcomes,
-            "reward_mean": sum(row["reward"] for row in rows) / max(len(rows), 1), "bytes": size,
-            "min_policy_version": min((row["min_policy_version"] for row in rows), default=-1),
-            "infra_reasons": infra_reasons, "retried": sum(row["attempt"] > 0 for row in rows),
-            "sandbox_warm": sum(row["sandbox_warm"] for row in rows),
-            "sandbox_acquire_p50_s": acquire[len(acquire) // 2] if acquire else 0.0, "scheduling": scheduling}
+    return RolloutStats(
+        uri=uri, rows=len(rows), time_to_batch_s=scheduling.get("time_to_batch_s", elapsed_s),
+        reward_mean=sum(row["reward"] for row in rows) / max(len(rows), 1), outcomes=dict(outcomes),
+        infra_reasons=dict(infra_reasons), retried=sum(row["attempt"] > 0 for row in rows),
+        sandbox_warm=sum(row["sandbox_warm"] for row in rows),
+        sandbox_acquire_p50_s=acquire[len(acquire) // 2] if acquire else 0.0, bytes=size,
+        min_policy_version=min((row["min_policy_version"] for row in rows), default=-1),
+        max_policy_version=max((row["max_policy_version"] for row in rows), default=-1),
+        collected_at=time.time(), scheduling=scheduling)
 
 
-def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], step: int,
+def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
                    on_progress) -> tuple[list[dict], list[dict], dict]:
     """Submit this step's groups to the run's asynchronous collector and take one batch from it."""
-    r = config.rollout
-    sched = rt.scheduler
-    sched.runner.bind(config.run_id, step, images)
-    backlog = sched.pending + sched.in_flight + sched.bank.eligible(sched.policy_version)  # stale ones never train
-    room = max(0, sched.K - backlog)
-    chosen = [(f"{config.run_id}/{step}/{t}", rt.tasks[t]) for t in task_ids]
-    extra = [(f"{config.run_id}/{step}/{t}/x{k}", rt.tasks[t])
+    r = run.config.rollout
+    sched = run.collector
+    sched.runner.bind(run.config.run_id, step, images)
+    room = sched.room()
+    prefix = f"{run.config.run_id}/{step}"
+    chosen = [(f"{prefix}/{t}", run.tasks[t]) for t in task_ids]
+    extra = [(f"{prefix}/{t}/x{k}", run.tasks[t])
              for k, t in zip(range(max(0, room - len(chosen))), itertools.cycle(task_ids), strict=False)]
     groups = (chosen + extra)[:room]
-    if rt.sandbox_pool is not None:  # declare this step's sandbox demand per image
+    if run.pool is not None:  # declare this step's sandbox demand per image
         demand: Counter = Counter()
-        for _, task in groups:  # code tasks are verified in the base image, which the catalog lists for them
-            image = images.get(task.task_id, (BASE_IMAGE, ""))[0]
-            demand[(image, task.cpus, task.memory_mb, task.allow_internet, task.disk_mb)] += 1
+        for _, t in groups:  # code tasks are verified in the base image, which the catalog lists for them
+            image = images.get(t.task_id, (BASE_IMAGE, ""))[0]
+            demand[(image, t.cpus, t.memory_mb, t.allow_internet, t.disk_mb)] += 1
         for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
-            rt.sandbox_pool.ensure(image, n * r.group_size, cpus=cpus, memory_mb=memory_mb, network=network,
-                                   disk_mb=disk_mb)
-    engine = rt.engine
+            run.pool.ensure(image, n * r.group_size, cpus=cpus, memory_mb=memory_mb, network=network,
+                            disk_mb=disk_mb)
+    engine = run.engine
     tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
     cache0 = engine.prefix_cache()
     sched.submit(groups)
@@ -142,29 +123,27 @@ def _collect_async(rt, config: RunConfig, images: dict, task_ids: list[str], ste
     return stored(batch.rows), stored(dropped), metrics
 
 
-def rollouts_for_step(config: RunConfig, catalog_uri: str, task_ids: list[str], step: int, deps: list[str],
-                      resumed_version: int) -> dict:
+def rollouts_for_step(run: Run, task_ids: list[str], step: int, deps: list[str]) -> RolloutStats:
     """The step's rollouts: reused from an earlier attempt of this step when still valid, else collected.
 
     A reused result is trusted only if it names this step's file, the file still exists with the
-    same size, and every row was sampled by a version no newer than ``resumed_version`` (the newest
+    same size, and every row was sampled by a version no newer than ``run.resumed_version`` (the newest
     version published when this process resumed the run: its weights are fixed by a manifest, so
     the version number names exactly the weights that sampled). Rows from a version published
     later, or never (a background upload lost in the crash), are collected again
-    (``refresh_cache``), overwriting the stored result. ``rollouts["reused"]`` says which.
+    (``refresh_cache``), overwriting the stored result. ``reused`` says which.
     """
-    from tasks.lineage import as_asset
+    from dataclasses import replace
 
-    traj_uri = step_uri(config.storage.bucket, config.storage.prefix, config.run_id, step)
-    started = time.time()
-    result = as_asset(collect_rollouts, traj_uri, deps)(config, catalog_uri, task_ids, step)
-    if result.get("collected_at", started) >= started:
-        return {**result, "reused": False}
-    fs = runtime(config).fs
-    fs.invalidate_cache()
-    if result["uri"] == traj_uri and fs.exists(traj_uri) and fs.size(traj_uri) == result["bytes"] \
-            and result.get("max_policy_version", resumed_version + 1) <= resumed_version:
-        return {**result, "reused": True}
-    result = as_asset(collect_rollouts.with_options(refresh_cache=True), traj_uri, deps)(
-        config, catalog_uri, task_ids, step)
-    return {**result, "reused": False}
+    traj_uri = run.layout.trajectories(step)
+    resumed_version = run.resumed_version
+    started, start = time.time(), time.monotonic()
+    result = as_asset(collect_rollouts, traj_uri, deps)(run, task_ids, step)
+    if not isinstance(result, RolloutStats) or result.collected_at < started:  # an earlier attempt's result
+        run.fs.invalidate_cache()
+        intact = isinstance(result, RolloutStats) and result.uri == traj_uri and run.fs.exists(traj_uri) \
+            and run.fs.size(traj_uri) == result.bytes
+        if intact and result.max_policy_version <= resumed_version:
+            return replace(result, reused=True, stage_s=time.monotonic() - start)
+        result = as_asset(collect_rollouts.with_options(refresh_cache=True), traj_uri, deps)(run, task_ids, step)
+    return replace(result, reused=False, stage_s=time.monotonic() - start)

@@ -105,6 +105,12 @@ class CollectSettings:
     seed: int
     max_infra_retries: int
 
+    @classmethod
+    def of(cls, r) -> CollectSettings:
+        """From a ``RolloutConfig``."""
+        return cls(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns, r.seed,
+                   r.max_infra_retries)
+
 
 class Collector:
     """Runs groups of episodes against one engine and one sandbox backend."""

@@ -89,6 +89,7 @@ class VLLMEngine:
         self._lock = threading.Lock()  # the in-process engine is not re-entrant
         self._queue: list[_Pending] = []
         self._queue_cv = threading.Condition()
+        self._closed = False
         self._batcher: threading.Thread | None = None
         self.calls = 0  # engine calls made
         self.batched_requests = 0  # requests served by them
@@ -129,8 +130,13 @@ class VLLMEngine:
         """Runs every call waiting in the queue as one engine call (calls from concurrent episodes batch)."""
         while True:
             with self._queue_cv:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._queue_cv.wait()
+                if self._closed:
+                    for b in self._queue:
+                        b.error = RuntimeError("the engine was closed")
+                        b.done.set()
+                    return
                 batch, self._queue = self._queue, []
             try:
                 prompts = [p for b in batch for p in b.prompts]
@@ -196,6 +202,27 @@ class VLLMEngine:
                 if m.name == f"vllm:prefix_cache_{key}":
                     total[key] += float(getattr(m, "value", 0.0))
         return total
+
+    def close(self) -> None:
+        """Stop the batching thread and free the engine (its memory, vLLM's process groups); idempotent.
+
+        Another engine may be started in this process afterwards.
+        """
+        import gc
+
+        with self._queue_cv:
+            self._closed = True
+            self._queue_cv.notify_all()
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        with self._lock:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""

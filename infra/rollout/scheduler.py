@@ -255,6 +255,14 @@ class AsyncCollector:
             self._pending += tasks
             self._launch()
 
+    def room(self) -> int:
+        """Groups that may be submitted now: the in-flight bound less those pending, running or banked.
+
+        Only eligible banked groups count (stale ones never train).
+        """
+        with self._lock:
+            return max(0, self.K - (len(self._pending) + len(self._groups) + self.bank.eligible(self.policy_version)))
+
     @property
     def in_flight(self) -> int:
         """Groups launched and not yet complete or dropped."""

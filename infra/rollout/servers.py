@@ -170,8 +170,12 @@ class ServerEngine:
     """
 
     def __init__(self, servers: list[VLLMServer], tokenizer, policy: RoutingPolicy = "affinity",
-                 policy_version: int = 0, request_timeout_s: float = 600.0):
-        """Args: servers: started servers; tokenizer: the model's tokenizer; policy: routing policy."""
+                 policy_version: int = 0, request_timeout_s: float = 600.0, owns_servers: bool = False):
+        """Route over started ``servers`` with the model's ``tokenizer`` by ``policy``.
+
+        ``owns_servers``: :meth:`close` stops the servers (the engine started them).
+        """
+        self.owns_servers = owns_servers
         self.servers = {s.url: s for s in servers}
         self.router = Router(list(self.servers), policy)
         self.tokenizer = tokenizer
@@ -400,11 +404,11 @@ class ServerEngine:
                     total[key] += float(m.group(1))
         return total
 
-    def close(self, stop_servers: bool = False) -> None:
+    def close(self) -> None:
         """Close the HTTP client; stop the servers too when this engine owns them."""
         self._pool.shutdown(wait=False)
         self._client.close()
-        if stop_servers:
+        if self.owns_servers:
             for s in self.servers.values():
                 s.stop()
 

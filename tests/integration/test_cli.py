@@ -54,13 +54,14 @@ def test_preflight_skips_model_path_once_the_run_has_published(services_env, s3,
     """A resumed run starts from its newest checkpoint, so a base model folder that is gone since
     does not stop it; before the first publication it does."""
     from flows.cli import RunInputError, preflight
-    from infra.checkpoint import checkpoint_uri, publish
+    from infra.checkpoint import publish
     from infra.config import RunConfig
+    from infra.layout import RunLayout
 
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     config = RunConfig.model_validate({"run_id": run_id, "model": {"path": "/gone/model"}})
     with pytest.raises(RunInputError, match="model.path: /gone/model is not an HF model folder"):
         preflight(config, docker=False, tasks=False)
     bucket = services_env["AGENTRL_BUCKET"]
-    publish(s3, tiny_model, checkpoint_uri(bucket, "runs", run_id, 1), 1, 0, 0, "float32")
+    publish(s3, tiny_model, RunLayout(bucket, "runs", run_id).checkpoint(1), 1, 0, 0, "float32")
     preflight(config, docker=False, tasks=False)  # v1 is published: the run resumes from it

@@ -53,6 +53,17 @@ def finished_run(tiny_model, s3, prefect_harness):
     return config, summaries
 
 
+@pytest.fixture(scope="module")
+def live_run(finished_run):
+    """The finished run opened again in this process (post_train closed its own): serving v1 when first used."""
+    from infra.run import Run
+
+    config, _ = finished_run
+    with Run.open(config) as run:
+        run.resume()
+        yield run
+
+
 def test_step_summary(finished_run):
     _, summaries = finished_run
     assert [s["step"] for s in summaries] == [0]
@@ -68,7 +79,7 @@ def test_step_summary(finished_run):
 def test_report_and_summaries_stored_and_shown(finished_run, s3):
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.runtime import artifact_key
+    from infra.layout import artifact_key
 
     config, summaries = finished_run
     run = f"agentrl/runs/{config.run_id}"
@@ -184,39 +195,36 @@ def test_lineage_cli_walks_both_ways(finished_run, capsys):
     assert f"downstream of {run}/trajectories/step-000000.parquet:" in out and f"{ckpt}/eval.json" in out
 
 
-def test_corrupt_checkpoint_is_refused_and_engine_keeps_serving(finished_run, s3, tmp_path):
+def test_corrupt_checkpoint_is_refused_and_engine_keeps_serving(finished_run, live_run, s3, tmp_path):
     from prefect import flow
 
     from infra.checkpoint import publish
     from tasks.publish import hot_load
-    from tasks.runtime import runtime, work_dir
 
     config, _ = finished_run
-    rt = runtime(config)
+    rt = live_run
     served = rt.engine.policy_version
     uri = f"s3://agentrl/runs/{config.run_id}/checkpoints/v77"
-    publish(s3, work_dir(config.run_id) / f"v{served}", uri, version=77, parent_version=served, step=76,
+    publish(s3, rt.layout.work / f"v{served}", uri, version=77, parent_version=served, step=76,
             dtype="float32")
     s3.pipe_file(f"{uri}/model.safetensors", b"not the published bytes")
 
     @flow
     def load() -> dict:
-        return hot_load(config, uri)
+        return hot_load(rt, uri)
 
     result = load()
     assert result["version"] == served and "does not match the manifest" in result["refused"]
-    assert rt.engine.policy_version == served and rt.policy_version == served
+    assert rt.engine.policy_version == served and rt.policy.version == served
     s3.rm(uri, recursive=True)
 
 
-def test_hot_load_resets_prefix_cache(finished_run, tiny_model, tmp_path):
+def test_hot_load_resets_prefix_cache(live_run, tiny_model, tmp_path):
     from infra.rollout.engine import SampleRequest
     from infra.train.mismatch import trainer_logprobs
-    from tasks.runtime import runtime
 
-    config, _ = finished_run
-    rt = runtime(config)
-    engine, served_dir, served = rt.engine, rt.policy_dir, rt.engine.policy_version
+    rt = live_run
+    engine, served_dir, served = rt.engine, rt.policy.weights_dir, rt.engine.policy_version
     prompt = list(range(5, 200))  # long enough to fill several KV blocks, cached after the first call
     before = engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])[0]
     _noisy(tiny_model, tmp_path / "noisy")  # a very different policy
@@ -247,19 +255,18 @@ def _noisy(tiny_model, out):
     return str(out)
 
 
-def test_colocated_and_direct_publication_serve_the_trainers_weights(finished_run, tiny_model, tmp_path):
+def test_colocated_and_direct_publication_serve_the_trainers_weights(live_run, tiny_model, tmp_path):
     """Each pattern, from a very different served policy: afterwards the engine's logprobs are the trainer's."""
     from infra.checkpoint import file_entries
     from infra.rollout.engine import SampleRequest
+    from infra.run import Policy
     from infra.train.mismatch import trainer_logprobs
     from tasks.publish import export_weights, load_colocated, load_direct
-    from tasks.runtime import runtime
 
-    config, _ = finished_run
-    rt = runtime(config)
-    engine, served_dir, served = rt.engine, rt.policy_dir, rt.engine.policy_version
+    rt = live_run
+    engine, served_dir, served = rt.engine, rt.policy.weights_dir, rt.engine.policy_version
     noisy = _noisy(tiny_model, tmp_path / "noisy")
-    export_dir = export_weights(config, 100)  # the trainer's weights as files: the reference
+    export_dir = export_weights(rt, 100)  # the trainer's weights as files: the reference
     prompt = list(range(5, 200))
 
     def max_diff_to_trainer() -> float:
@@ -271,37 +278,33 @@ def test_colocated_and_direct_publication_serve_the_trainers_weights(finished_ru
         engine.load_weights(noisy, 98)
         engine.generate([SampleRequest(prompt, 8, 1.0, 1.0, 0)])  # prefix cached under the noisy weights
         assert max_diff_to_trainer() > 1e-2  # the check can fail
-        loaded = load_colocated(config, 100)
+        loaded = load_colocated(rt, 100)
         assert loaded["refused"] == "" and engine.policy_version == 100 and loaded["pause_s"] > 0
         assert max_diff_to_trainer() < 1e-3
 
         engine.load_weights(noisy, 99)
-        loaded = load_direct(config, export_dir, 101)
+        loaded = load_direct(rt, export_dir, 101)
         assert loaded["refused"] == "" and engine.policy_version == 101 and loaded["transfer_s"] > 0
         assert max_diff_to_trainer() < 1e-3
 
         # a manifest the bytes do not match: refused, the engine keeps serving v101
         files = file_entries(Path(export_dir))
         files["model.safetensors"]["sha256"] = "0" * 64
-        refused = load_direct(config, export_dir, 102, files=files)
+        refused = load_direct(rt, export_dir, 102, files=files)
         assert refused["version"] == 101 and "does not match the manifest" in refused["refused"]
-        assert engine.policy_version == 101 and rt.policy_version == 101
+        assert engine.policy_version == 101 and rt.policy.version == 101
     finally:  # through the update policy, so the run's scheduler serves `served` again too
-        rt.apply_weights(lambda: engine.load_weights(served_dir, served), served)
-        rt.policy_dir, rt.policy_version = served_dir, served
+        rt.serve_folder(Policy(served, served_dir))
 
 
 # ------------------------------------------------------------------ replay and faults (issue 3)
 
 
-def _collector(config, retries: int = 1):
+def _collector(rt, retries: int = 1):
     from infra.environments import BASE_IMAGE
     from infra.rollout.collector import Collector, CollectSettings
-    from tasks.runtime import run_uri, runtime
 
-    rt = runtime(config)
-    catalog = rt.load_catalog(f"{run_uri(config)}/envs.json")
-    images = {e["task_id"]: (e["image"], e["image_digest"]) for e in catalog["tasks"] if e["usable"]}
+    images = rt.catalog.images()
     settings = CollectSettings(group_size=2, temperature=1.0, top_p=1.0, max_tokens_per_turn=16, max_turns=2,
                                seed=5, max_infra_retries=retries)
     return rt, Collector(rt.engine, rt.backend, settings, code_image=BASE_IMAGE), images
@@ -317,13 +320,12 @@ def _left_behind(backend, rows) -> list:
     return [c for c in _episode_containers(backend) if c.labels["agentrl.episode"] in episodes]
 
 
-def test_replay_reproduces_stored_verdicts(finished_run, s3):
+def test_replay_reproduces_stored_verdicts(finished_run, live_run, s3):
     from infra.environments import BASE_IMAGE
     from infra.rollout.collector import replay_episode
-    from tasks.runtime import runtime
 
     config, _ = finished_run
-    rt = runtime(config)
+    rt = live_run
     rows = read_step(s3, f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet").to_pylist()
     replayable = [r for r in rows if r["outcome"] != "infra_failure"]
     assert replayable
@@ -337,12 +339,11 @@ def test_replay_reproduces_stored_verdicts(finished_run, s3):
     assert verdict.reward == 1.0 and not reproduced
 
 
-def test_harbor_tasks_run_through_the_collector_and_replay(finished_run):
+def test_harbor_tasks_run_through_the_collector_and_replay(live_run):
     from infra.environments import BASE_IMAGE
     from infra.rollout.collector import replay_episode
 
-    config, _ = finished_run
-    rt, collector, images = _collector(config)
+    rt, collector, images = _collector(live_run)
     tasks = [rt.tasks["harbor/write-greeting"], rt.tasks["harbor/fix-median"]]
     rows = collector.collect("harbor-run", 0, tasks, images)
     assert len(rows) == 4 and {r["task_id"] for r in rows} == {t.task_id for t in tasks}
@@ -352,11 +353,10 @@ def test_harbor_tasks_run_through_the_collector_and_replay(finished_run):
         assert replay_episode(r, rt.tasks[r["task_id"]], rt.backend, BASE_IMAGE)[1]
 
 
-def test_killed_sandbox_is_infra_failure_and_retried(finished_run):
+def test_killed_sandbox_is_infra_failure_and_retried(live_run):
     import threading
 
-    config, _ = finished_run
-    rt, collector, images = _collector(config)
+    rt, collector, images = _collector(live_run)
     killed: list[str] = []
     stop = threading.Event()
 
@@ -389,15 +389,14 @@ def test_killed_sandbox_is_infra_failure_and_retried(finished_run):
     assert len(rows) == 3 and _left_behind(rt.backend, rows) == []
 
 
-def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
+def test_engine_restart_mid_batch_completes_and_classifies(live_run):
     import threading
 
     from infra import services
 
     if "dockerd" not in services._running(services.state_path()):
         pytest.skip("dockerd was not started by `make up`; an external engine is never restarted")
-    config, _ = finished_run
-    rt, collector, images = _collector(config, retries=2)
+    rt, collector, images = _collector(live_run, retries=2)
     restarted = threading.Event()
 
     def restart_when_busy() -> None:
@@ -431,19 +430,19 @@ def test_engine_restart_mid_batch_completes_and_classifies(finished_run):
     assert _left_behind(rt.backend, rows) == []  # killed ones included
 
 
-def test_failed_collection_is_not_served_from_cache_and_a_stored_one_is_reused(finished_run, s3):
+def test_failed_collection_is_not_served_from_cache_and_a_stored_one_is_reused(live_run, s3):
     """The rollout stage is persisted under a templated key (run id, step): idempotent, but never for failures."""
+    from dataclasses import asdict
+
     from prefect import flow
 
     from tasks.rollouts import rollouts_for_step
-    from tasks.runtime import run_uri, runtime
 
-    config, _ = finished_run
-    rt = runtime(config)
+    rt = live_run
 
     @flow
     def collect(task_ids: list[str]) -> dict:
-        return rollouts_for_step(config, f"{run_uri(config)}/envs.json", task_ids, 7, [], rt.policy_version)
+        return asdict(rollouts_for_step(rt, task_ids, 7, []))
 
     with pytest.raises(KeyError, match="tb/no-such-task"):
         collect(["tb/no-such-task"])
@@ -477,10 +476,10 @@ def _evaluate_in_subprocess(config, version: int) -> dict:
 
 
 # Last in the module: it adds eval assets downstream of v1 (the lineage tests above count them).
-def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(finished_run, s3):
+def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(finished_run, s3, monkeypatch):
     from flows.evaluate import evaluate
     from infra.evaluate import PrecisionMismatch
-    from tasks.runtime import _RUNTIMES
+    from infra.run import Run
 
     config, _ = finished_run
     ckpt = f"agentrl/runs/{config.run_id}/checkpoints/v1"
@@ -488,12 +487,14 @@ def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(finish
     # same dtype and settings: the stored report is served, nothing re-runs
     again = evaluate(config, version=1)
     assert again["reused"] is True and again["evaluated_at"] == before["evaluated_at"]
-    # another precision without leave: refused before anything loads (the run's runtime is untouched)
-    rt = _RUNTIMES[config.run_id]
+    # another precision without leave: refused before anything loads (no run is opened)
+    opened, real_open = [], Run.open
+    monkeypatch.setattr(Run, "open", lambda config, **kw: opened.append(config) or real_open(config, **kw))
     bf16_eval = config.model_copy(update={"eval": config.eval.model_copy(update={"dtype": "bfloat16"})})
     with pytest.raises(PrecisionMismatch, match="set eval.allow_precision_mismatch"):
         evaluate(bf16_eval, version=1)
-    assert _RUNTIMES[config.run_id] is rt
+    assert opened == []
+    monkeypatch.undo()
     # ... with leave: evaluated in bf16 (a fresh process), marked, stored apart; eval.json unchanged
     allowed = bf16_eval.model_copy(
         update={"eval": bf16_eval.eval.model_copy(update={"allow_precision_mismatch": True})})

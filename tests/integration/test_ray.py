@@ -14,10 +14,11 @@ from infra.store import read_step
 pytestmark = pytest.mark.integration
 
 
-def test_collect_rollouts_fans_out_groups_on_ray(tiny_model, s3, prefect_harness, tmp_path):
+def test_collect_rollouts_fans_out_groups_on_ray(tiny_model, s3, prefect_harness, tmp_path, monkeypatch):
     from flows.build_envs import build_envs
     from flows.collect_rollouts import collect_rollouts
-    from tasks.runtime import close_runtime, repo_root, runtime
+    from infra.layout import repo_root
+    from tests.integration.test_post_train_servers import engine_at_close
 
     terminal = tmp_path / "terminal"
     shutil.copytree(repo_root() / "envs/terminal/hello-file", terminal / "hello-file")
@@ -31,12 +32,11 @@ def test_collect_rollouts_fans_out_groups_on_ray(tiny_model, s3, prefect_harness
     )
     with pytest.raises(ValueError, match="needs rollout.engine"):
         collect_rollouts(config.model_copy(update={"rollout": RolloutConfig()}), step=0, fan_out="ray")
-    try:
-        build_envs(config)
-        result = collect_rollouts(config, step=0, fan_out="ray")
-        url = next(iter(runtime(config).engine.servers))
-    finally:
-        close_runtime(config.run_id)
+    engine = engine_at_close(monkeypatch)
+    build_envs(config)
+    result = collect_rollouts(config, step=0, fan_out="ray")
+    (url,) = [s.url for s in engine["servers"]]
+    assert not engine["servers"][0].alive()  # the flow's run stopped its server
     assert result["fan_out"] == "ray" and len(result["worker_pids"]) == 2
     assert os.getpid() not in result["worker_pids"]  # the groups ran in Ray worker processes
     rows = read_step(s3, result["uri"]).to_pylist()

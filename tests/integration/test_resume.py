@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.layout import RunLayout
 from infra.store import read_history
 
 ROOT = Path(__file__).parents[2]
@@ -71,7 +72,7 @@ enabled = false
     assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trajectories")) == [
         "step-000000.parquet", "step-000001.parquet"]
     assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/checkpoints")) == ["v1", "v2"]
-    hist = read_history(s3, "agentrl", "runs", run_id, ["episode_id", "step", "min_policy_version"])
+    hist = read_history(s3, RunLayout("agentrl", "runs", run_id), ["episode_id", "step", "min_policy_version"])
     ids = hist.column("episode_id").to_pylist()
     assert len(ids) == len(set(ids))  # no duplicate rows
     by_step = dict(zip(hist.column("step").to_pylist(), hist.column("min_policy_version").to_pylist(), strict=True))

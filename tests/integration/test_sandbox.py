@@ -155,15 +155,15 @@ import sys
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
 from infra.sandbox.docker_backend import OWNER_LABEL, owner_id
-from tasks.runtime import runtime
+from infra.run import Run
 
-rt = runtime(RunConfig(run_id=sys.argv[1]))
-pool = rt.sandbox_pool
+rt = Run.open(RunConfig(run_id=sys.argv[1]), model=False, tasks=False)
+pool = rt.pool
 pool.ensure(BASE_IMAGE, 2)
 assert pool.wait_ready(120), "warm pool did not fill"
 mine = rt.backend.client.containers.list(filters={"label": f"{OWNER_LABEL}={owner_id()}"})
 print("owner", owner_id(), "idle", len(mine), flush=True)
-"""  # ends without closing the runtime, as the CLI does
+"""  # ends without closing the run (a process that never leaves its `with Run.open(...)` block)
 
 
 def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):

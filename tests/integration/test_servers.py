@@ -42,7 +42,7 @@ def engine(servers, tiny_tokenizer):
 def hello_image(backend):
     from envs import load_taskset
     from infra.environments import build_catalog
-    from tasks.runtime import repo_root
+    from infra.layout import repo_root
 
     tasks = {t.task_id: t for t in load_taskset(repo_root() / "envs/terminal")[0] if t.task_id == "tb/hello-file"}
     entries, _ = build_catalog(backend, tasks, {k: "train" for k in tasks}, validate=False)

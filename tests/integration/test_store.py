@@ -7,13 +7,13 @@ import uuid
 import pyarrow.parquet as pq
 import pytest
 
+from infra.layout import RunLayout
 from infra.storage import StorageError, s3_filesystem
 from infra.store import (
     TRAJECTORY_SCHEMA,
     SchemaError,
     read_history,
     read_step,
-    step_uri,
     write_step,
 )
 from tests.helpers import ROOT, make_row
@@ -21,7 +21,7 @@ from tests.helpers import ROOT, make_row
 
 @pytest.mark.integration
 def test_write_read_roundtrip_keeps_types_and_empty_lists(s3):
-    uri = step_uri("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}", 3)
+    uri = RunLayout("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}").trajectories(3)
     rows = [make_row(), make_row(episode_id="e1", sample_index=1, commands=["ls", "cat x"])]
     write_step(s3, uri, rows)
     table = read_step(s3, uri)
@@ -33,7 +33,7 @@ def test_write_read_roundtrip_keeps_types_and_empty_lists(s3):
 
 @pytest.mark.integration
 def test_type_mismatch_rejected_and_nothing_written(s3):
-    uri = step_uri("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}", 0)
+    uri = RunLayout("agentrl", "test", f"store-{uuid.uuid4().hex[:8]}").trajectories(0)
     with pytest.raises(SchemaError, match="do not match the trajectory schema"):
         write_step(s3, uri, [make_row(reward="high")])
     assert not s3.exists(uri)
@@ -42,20 +42,20 @@ def test_type_mismatch_rejected_and_nothing_written(s3):
 @pytest.mark.integration
 def test_crash_mid_write_leaves_no_partial_object(s3, monkeypatch):
     run = f"store-{uuid.uuid4().hex[:8]}"
-    good = step_uri("agentrl", "test", run, 0)
+    good = RunLayout("agentrl", "test", run).trajectories(0)
     write_step(s3, good, [make_row()])
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-write")
 
     monkeypatch.setattr(pq, "write_table", crash)
-    uri = step_uri("agentrl", "test", run, 1)
+    uri = RunLayout("agentrl", "test", run).trajectories(1)
     with pytest.raises(KeyboardInterrupt):
         write_step(s3, uri, [make_row()])
     monkeypatch.undo()
     s3.invalidate_cache()
     assert not s3.exists(uri)
-    hist = read_history(s3, "agentrl", "test", run, ["task_id", "step"])
+    hist = read_history(s3, RunLayout("agentrl", "test", run), ["task_id", "step"])
     assert hist.num_rows == 1  # the committed step is intact, nothing half-written is visible
 
 
@@ -98,9 +98,9 @@ def test_process_killed_mid_put_leaves_no_object(s3, services_env):
     import sys
 
     run = f"store-{uuid.uuid4().hex[:8]}"
-    good = step_uri("agentrl", "test", run, 0)
+    good = RunLayout("agentrl", "test", run).trajectories(0)
     write_step(s3, good, [make_row()])
-    uri = step_uri("agentrl", "test", run, 1)
+    uri = RunLayout("agentrl", "test", run).trajectories(1)
     r = subprocess.run([sys.executable, "-c", _CRASH_MID_PUT, uri], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 9, (r.stdout, r.stderr[-2000:])
@@ -109,7 +109,7 @@ def test_process_killed_mid_put_leaves_no_object(s3, services_env):
     assert size > 4 * 512 * 1024  # most of the body was never sent: the cut was mid-PUT
     s3.invalidate_cache()
     assert not s3.exists(uri)
-    hist = read_history(s3, "agentrl", "test", run, ["task_id", "step"])
+    hist = read_history(s3, RunLayout("agentrl", "test", run), ["task_id", "step"])
     assert hist.num_rows == 1 and hist.column("step").to_pylist() == [0]
 
 
@@ -151,9 +151,10 @@ def test_missing_bucket_names_it(services_env):
 @pytest.mark.integration
 def test_empty_and_populated_lists_read_back_as_one_dataset(s3):
     run = f"store-{uuid.uuid4().hex[:8]}"
-    write_step(s3, step_uri("agentrl", "test", run, 0), [make_row(commands=[]), make_row(episode_id="e1")])
-    write_step(s3, step_uri("agentrl", "test", run, 1), [make_row(step=1, commands=["ls", "pwd"])])
-    hist = read_history(s3, "agentrl", "test", run, ["step", "commands"])
+    layout = RunLayout("agentrl", "test", run)
+    write_step(s3, layout.trajectories(0), [make_row(commands=[]), make_row(episode_id="e1")])
+    write_step(s3, layout.trajectories(1), [make_row(step=1, commands=["ls", "pwd"])])
+    hist = read_history(s3, RunLayout("agentrl", "test", run), ["step", "commands"])
     assert hist.schema.field("commands").type == TRAJECTORY_SCHEMA.field("commands").type
     assert hist.column("commands").to_pylist() == [[], [], ["ls", "pwd"]]  # empty lists stay lists, not nulls
     assert hist.column("commands").null_count == 0
@@ -165,12 +166,13 @@ def test_listing_sees_a_file_another_process_added(s3, services_env):
     import sys
 
     run = f"store-{uuid.uuid4().hex[:8]}"
-    write_step(s3, step_uri("agentrl", "test", run, 0), [make_row()])
-    assert read_history(s3, "agentrl", "test", run, ["step"]).num_rows == 1  # listing now cached by s3fs
+    write_step(s3, RunLayout("agentrl", "test", run).trajectories(0), [make_row()])
+    assert read_history(s3, RunLayout("agentrl", "test", run), ["step"]).num_rows == 1  # listing now cached by s3fs
     code = (
-        "from infra.storage import s3_filesystem; from infra.store import write_step, step_uri;"
-        "from tests.helpers import make_row;"
-        f"write_step(s3_filesystem('agentrl'), step_uri('agentrl', 'test', '{run}', 1), [make_row(step=1)])"
+        "from infra.storage import s3_filesystem; from infra.store import write_step;"
+        "from infra.layout import RunLayout; from tests.helpers import make_row;"
+        f"write_step(s3_filesystem('agentrl'), RunLayout('agentrl', 'test', '{run}').trajectories(1), "
+        "[make_row(step=1)])"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(ROOT))
-    assert read_history(s3, "agentrl", "test", run, ["step"]).column("step").to_pylist() == [0, 1]
+    assert read_history(s3, RunLayout("agentrl", "test", run), ["step"]).column("step").to_pylist() == [0, 1]

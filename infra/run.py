@@ -1,0 +1,315 @@
+"""The run as an object: the composition root of one post-training run in this process.
+
+``with Run.open(config) as run:`` checks the run's inputs once (:func:`infra.preflight.preflight`)
+and connects to storage; what the stages share is built on first use: the sandbox backend, the
+warm pool, the rollout engine (in-process vLLM or vLLM servers), the trainer and the asynchronous
+collector. Leaving the block closes every one of them, also when the flow fails (and at process
+exit if the block was never left). The run owns the served :class:`Policy`; :meth:`Run.serve` is
+its one writer and the one path by which weights reach the engine during a run. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from envs.task import Task
+from infra.config import RunConfig
+from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
+from infra.layout import RunLayout
+from infra.preflight import preflight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The policy the engine serves: its ``version`` and a local HF folder with exactly its weights.
+
+    ``weights_dir`` is ``""`` when the weights reached the engine without one (from the trainer's
+    memory, or pulled by remote servers).
+    """
+
+    version: int
+    weights_dir: str
+
+
+class Run:
+    """Live resources of one run in this process; build with :meth:`open`, close with ``with`` or :meth:`close`."""
+
+    def __init__(self, config: RunConfig, fs) -> None:
+        """Wrap ``config`` and an S3 filesystem; nothing is started (see :meth:`open`)."""
+        self.config = config
+        self.layout = RunLayout(config.storage.bucket, config.storage.prefix, config.run_id)
+        self.fs = fs
+        self._policy = Policy(0, "")
+        self._backend = None
+        self._pool = None
+        self._engine = None
+        self._trainer = None
+        self._collector = None
+        self._tasks: dict[str, Task] | None = None
+        self._catalog: Catalog | None = None
+        self._trainer_state: tuple[Path, str] | None = None  # (folder, tag) to restore when the trainer starts
+        self.trainer_restored = ""  # the tag restored, if any
+        self.resumed_version = 0  # the newest published version when this process resumed the run (resume())
+        atexit.register(self.close)  # a process that never leaves the block still removes its sandboxes
+
+    @classmethod
+    def open(cls, config: RunConfig, *, docker: bool = True, model: bool = True, tasks: bool = True) -> Run:
+        """Check the run's inputs (keywords as :func:`infra.preflight.preflight`), then connect storage.
+
+        Raises:
+            RunInputError: an input cannot be used (named in the message); nothing was written.
+        """
+        return cls(config, preflight(config, docker=docker, model=model, tasks=tasks))
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the policy ---------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        """The policy served now."""
+        return self._policy
+
+    def serve(self, policy: Policy, apply: Callable[[], float]) -> float:
+        """Make ``policy`` the served one; returns the apply pause in s.
+
+        ``apply()`` puts its weights into the engine (stamping ``policy.version`` on the tokens it
+        samples from then on) and returns its pause. With the asynchronous collector running, its
+        ``update_policy`` (finish, pause or abort in-flight episodes) governs the switch.
+        """
+        if self._collector is None:
+            pause = apply()
+        else:
+            pauses: list[float] = []
+            self._collector.update_weights(lambda: pauses.append(apply()), policy.version)
+            pause = pauses[0]
+        self._policy = policy
+        return pause
+
+    def serve_folder(self, policy: Policy) -> float:
+        """Serve ``policy`` from its local HF folder (:meth:`serve` with the engine's ``load_weights``)."""
+        return self.serve(policy, lambda: self.engine.load_weights(policy.weights_dir, policy.version))
+
+    def serve_published(self, version: int | None = None) -> Policy:
+        """Serve checkpoint ``version`` of the run (default: the newest; ``model.path`` when none is published).
+
+        The checkpoint is fetched into the run's work folder and verified against its manifest; an
+        engine already running loads it (under the update policy), otherwise it starts from it.
+
+        Raises:
+            ValueError: ``version`` is not published.
+            CheckpointError: the checkpoint fails verification (nothing is served from it).
+        """
+        from infra.checkpoint import fetch, published_versions
+        from infra.model import resolve_model
+
+        versions = published_versions(self.fs, self.layout)
+        if version is not None and version not in versions:
+            raise ValueError(f"run {self.config.run_id}: checkpoint version {version} not published (have {versions})")
+        if versions:
+            version = versions[-1] if version is None else version
+            local = self.layout.work / f"v{version}"
+            shutil.rmtree(local, ignore_errors=True)
+            fetch(self.fs, self.layout.checkpoint(version), local)
+            policy = Policy(version, str(local))
+        else:
+            policy = Policy(0, str(resolve_model(self.config.model.path)))
+        if self._engine is not None and self._engine.policy_version != policy.version:
+            self.serve_folder(policy)
+        else:
+            self._policy = policy
+        return policy
+
+    def resume(self) -> int:
+        """Serve the run's newest published checkpoint (:meth:`serve_published`); returns the next step.
+
+        Step ``s`` is committed when ``v{s+1}`` has a complete manifest, so the next step is the number of
+        published versions. A trainer state saved with that version on this machine is restored when
+        the trainer starts (``train.save_optimizer_state``).
+        """
+        policy = self.serve_published()
+        self.resumed_version = policy.version
+        state = self.trainer_state_dir / f"v{policy.version}"
+        if policy.version and self._trainer is None and self.config.train.save_optimizer_state and state.is_dir():
+            self._trainer_state = (state.parent, state.name)
+        return policy.version
+
+    # -- live resources, built on first use ---------------------------------------------------
+    @property
+    def backend(self):
+        """The Docker sandbox backend (connects on first use; removes containers of crashed runs)."""
+        if self._backend is None:
+            from infra.sandbox.docker_backend import DockerBackend
+
+            self._backend = DockerBackend()
+            reaped = self._backend.reap_orphans()
+            if reaped:
+                log.warning("removed %d sandbox containers left by crashed runs", reaped)
+        return self._backend
+
+    @property
+    def pool(self):
+        """The warm sandbox pool (None when ``rollout.warm_pool`` is off)."""
+        if self._pool is None and self.config.rollout.warm_pool:
+            from infra.sandbox.pool import WarmPool
+
+            self._pool = WarmPool(self.backend, max_idle_per_image=self.config.rollout.warm_pool_max_idle)
+        return self._pool
+
+    @property
+    def engine(self):
+        """The rollout engine, serving :attr:`policy` in ``model.serving_dtype``."""
+        return self.engine_in(self.config.model.serving_dtype)
+
+    @property
+    def engine_started(self) -> bool:
+        """Whether the engine runs (evaluation loads a version into it rather than starting one)."""
+        return self._engine is not None
+
+    def engine_in(self, dtype: str):
+        """The engine; started in ``dtype`` if none runs yet (an engine already running keeps its dtype).
+
+        Raises:
+            RuntimeError: no local folder holds the served policy's weights to start from.
+        """
+        if self._engine is None:
+            m, r = self.config.model, self.config.rollout
+            if not self._policy.weights_dir:
+                raise RuntimeError(f"run {self.config.run_id}: no weights folder to start the engine from "
+                                   "(call resume() first)")
+            if r.engine == "servers":
+                from transformers import AutoTokenizer
+
+                from infra.rollout.servers import ServerEngine, start_servers
+
+                servers = start_servers(self._policy.weights_dir, r.servers, self.layout.work / "vllm-logs",
+                                        dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
+                                        seed=r.seed, threads=r.server_threads)
+                self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
+                                            r.routing, policy_version=self._policy.version, owns_servers=True)
+            else:
+                from infra.rollout.engine import VLLMEngine
+
+                self._engine = VLLMEngine(self._policy.weights_dir, dtype=dtype, max_model_len=m.max_model_len,
+                                          kv_cache_gib=m.kv_cache_gib, seed=r.seed,
+                                          policy_version=self._policy.version)
+        return self._engine
+
+    @property
+    def trainer_state_dir(self) -> Path:
+        """Local folder of the run's saved trainer states."""
+        return self.layout.work / "trainer-state"
+
+    @property
+    def trainer(self):
+        """The DeepSpeed GRPO trainer, started from the policy served when it is first used."""
+        if self._trainer is None:
+            from infra.train.trainer import GRPOTrainer
+
+            t = self.config.train
+            self._trainer = GRPOTrainer(self._policy.weights_dir, lr=t.lr, zero_stage=t.zero_stage,
+                                        grad_clip=t.grad_clip, micro_batch_rows=t.micro_batch_rows,
+                                        tis_cap=t.tis_cap, temperature=self.config.rollout.temperature,
+                                        scale_by_std=t.scale_by_std, mask_truncated=t.mask_truncated,
+                                        max_seq_len=t.max_seq_len, tis_level=t.tis_level,
+                                        mask_ratio_low=t.mask_ratio_low, mask_ratio_high=t.mask_ratio_high,
+                                        forward_dtype=t.forward_dtype, baseline=t.baseline,
+                                        divergence_threshold=t.divergence_threshold,
+                                        divergence_estimator=t.divergence_estimator,
+                                        divergence_action=t.divergence_action)
+            if self._trainer_state:  # a resumed run: weights and AdamW moments as they were after that step
+                folder, tag = self._trainer_state
+                try:
+                    self._trainer.load_state(folder, tag)
+                    self.trainer_restored = tag
+                    log.info("trainer state %s restored from %s", tag, folder)
+                except Exception as e:  # e.g. saved with another zero_stage: weights stay the checkpoint's
+                    log.warning("trainer state %s in %s not restored (%s: %s); the optimizer starts fresh",
+                                tag, folder, type(e).__name__, e)
+        return self._trainer
+
+    def episode_runner(self, settings=None):
+        """A :class:`~infra.rollout.collector.Collector` on the run's engine, backend and pool.
+
+        ``settings``: a ``CollectSettings`` (default: the rollout config's).
+        """
+        from infra.rollout.collector import Collector
+
+        return Collector(self.engine, self.backend, settings or self.collect_settings(), code_image=BASE_IMAGE,
+                         pool=self.pool)
+
+    def collect_settings(self):
+        """The rollout config's ``CollectSettings``."""
+        from infra.rollout.collector import CollectSettings
+
+        return CollectSettings.of(self.config.rollout)
+
+    @property
+    def collector(self):
+        """The asynchronous collector (one per run; groups carry across steps in it)."""
+        if self._collector is None:
+            from infra.rollout.scheduler import AsyncCollector
+
+            r = self.config.rollout
+            self._collector = AsyncCollector(
+                self.episode_runner(), group_size=r.group_size,
+                max_groups_in_flight=math.ceil(r.tasks_per_step * r.overprovision),
+                max_concurrent_episodes=r.max_concurrent_episodes, max_policy_lag=r.max_policy_lag,
+                episode_deadline_s=r.episode_deadline_s, infra_policy=r.infra_policy,
+                max_infra_retries=r.max_infra_retries, update_policy=r.update_policy, prefetch=r.prefetch,
+                policy_version=self._policy.version, seed=r.seed)
+        return self._collector
+
+    # -- tasks and the catalog -----------------------------------------------------------------
+    @property
+    def tasks(self) -> dict[str, Task]:
+        """Every task the config names, by id (loaded once)."""
+        if self._tasks is None:
+            self._tasks, _, _ = load_run_tasks(self.config.tasks)
+        return self._tasks
+
+    @property
+    def catalog(self) -> Catalog:
+        """The run's stored catalog (``envs.json``, read once).
+
+        Raises:
+            FileNotFoundError: the run has no catalog yet (run ``build_envs`` first).
+        """
+        if self._catalog is None:
+            self.fs.invalidate_cache()
+            self._catalog = Catalog.from_json(json.loads(self.fs.cat_file(self.layout.catalog)), self.layout.catalog)
+        return self._catalog
+
+    def store_catalog(self, catalog: Catalog) -> str:
+        """Write ``envs.json`` and make it this run's catalog; returns its URI."""
+        self.fs.pipe_file(self.layout.catalog, json.dumps(catalog.to_json(), indent=1).encode())
+        self._catalog = catalog
+        return self.layout.catalog
+
+    # -- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close what was started: collector, engine (servers stopped), idle warm sandboxes. Idempotent."""
+        atexit.unregister(self.close)
+        collector, self._collector = self._collector, None
+        engine, self._engine = self._engine, None
+        pool, self._pool = self._pool, None
+        self._trainer = None
+        for what, thing in (("collector", collector), ("engine", engine), ("warm pool", pool)):
+            if thing is None:
+                continue
+            try:
+                thing.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more than this one's error
+                log.exception("run %s: closing the %s failed", self.config.run_id, what)

@@ -1,0 +1,195 @@
+"""Typed results of the stages and the step summary built from them.
+
+Each stage returns one record (:class:`Selection`, :class:`RolloutStats`, :class:`TrainStats`,
+:class:`PublishResult`, :class:`EvalResult`); :class:`StepSummary` joins one step's records and
+renders them: the stored JSON and table row (flat keys, as stored since the first version, so older
+summaries stay readable), namespaced metrics (``rollout/…``, ``train/…``, ``publish/…``, ``eval/…``,
+``time/…``) and the step line. A new metric is a field of the record that produces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+#: Scheduler batch metrics carried into the summary (async collector only), rounded to 3 decimals.
+SCHEDULING_KEYS = ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler_tail_s", "engine_idle_s",
+                   "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in", "groups_dropped")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The step's training tasks (``infra.difficulty.select_tasks``) and the stage's seconds."""
+
+    chosen: list[str]
+    skipped: dict[str, str]
+    revisited: list[str]
+    pass_rates: dict[str, float]
+    stage_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """One step's stored rollouts: where, how many, how they ended, how long the batch took.
+
+    ``scheduling``: the async collector's batch metrics (see ``AsyncCollector.next_batch``) plus
+    ``generation_tokens_per_s``, ``engine_idle_s``, ``prefix_cache_hit_rate``, ``groups_dropped``,
+    ``groups_submitted``, ``lag_hist_<k>`` (groups at lag k); empty for the sync collector.
+    ``reused``: served from an earlier attempt of this step; ``stage_s``: this attempt's seconds.
+    """
+
+    uri: str
+    rows: int
+    time_to_batch_s: float
+    reward_mean: float
+    outcomes: dict[str, int]
+    infra_reasons: dict[str, int]
+    retried: int
+    sandbox_warm: int
+    sandbox_acquire_p50_s: float
+    bytes: int
+    min_policy_version: int
+    max_policy_version: int
+    collected_at: float
+    scheduling: dict[str, float] = field(default_factory=dict)
+    reused: bool = False
+    stage_s: float = 0.0
+
+    @property
+    def policy_lag_hist(self) -> dict[int, int]:
+        """Groups of the batch by policy lag in versions (async collector)."""
+        return {int(k.rsplit("_", 1)[1]): int(v) for k, v in self.scheduling.items() if k.startswith("lag_hist_")}
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """One GRPO step: the trainer's metrics (``GRPOTrainer.step``), the policy lag, the state save, seconds."""
+
+    metrics: dict[str, float]
+    policy_lag_max: float
+    trainer_state_s: float
+    trainer_state_restored: str
+    stage_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """A version's way to the engine (``publish.pattern``).
+
+    ``version``: served after it (the old one when ``refused``); ``latency_s``: trainer done → engine
+    serves it; ``pause_s``: engine served nothing; ``transfer_s``: fetch/pull/copy; ``upload_wait_s``:
+    waiting on the previous version's background upload; ``stage_s``: the whole stage.
+    """
+
+    checkpoint: str
+    version: int
+    pattern: str
+    pause_s: float
+    transfer_s: float
+    refused: str = ""
+    latency_s: float = 0.0
+    upload_wait_s: float = 0.0
+    stage_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """An evaluation: the stored report (``infra.evaluate.eval_report`` plus settings) and seconds; None: skipped."""
+
+    report: dict | None
+    stage_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One step's records and their renderings."""
+
+    step: int
+    selection: Selection
+    batch: RolloutStats
+    trained: TrainStats
+    published: PublishResult
+    evaluated: EvalResult
+
+    @classmethod
+    def of(cls, step: int, selection: Selection, batch: RolloutStats, trained: TrainStats,
+           published: PublishResult, evaluated: EvalResult) -> StepSummary:
+        """Join one step's stage records."""
+        return cls(step, selection, batch, trained, published, evaluated)
+
+    def to_json(self) -> dict:
+        """The stored summary (``summaries/step-N.json``) and table row: flat keys, as stored before."""
+        b, t, p, report = self.batch, self.trained, self.published, self.evaluated.report
+        m = t.metrics
+        out = {
+            "step": self.step, "time_to_batch_s": round(b.time_to_batch_s, 2), "reward_mean": round(b.reward_mean, 4),
+            "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
+            "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
+            "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
+            **{k: m[k] for k in ("logprob_abs_diff", "kl_k1", "kl_k3", "ratio_p05", "ratio_p95", "tis_capped_frac",
+                                 "tis_masked_frac", "rows_with_signal", "optimizer_step")},
+            "trainer_state_s": round(t.trainer_state_s, 2), "trainer_state_restored": t.trainer_state_restored,
+            "checkpoint": p.checkpoint, "policy_version": p.version, "publish_pattern": p.pattern,
+            "publish_latency_s": round(p.latency_s, 3), "upload_wait_s": round(p.upload_wait_s, 3),
+            "reload_pause_s": round(p.pause_s, 3), "publish_transfer_s": round(p.transfer_s, 3),
+            "checkpoint_refused": p.refused,
+            "eval_pass_at_1": report.get("pass_at_1") if report else None,
+            "eval_pass_at_k": report["pass_at_k"] if report else {},
+            "eval_delta": report.get("compared_to", {}).get("pass_at_k_delta", {}) if report else {},
+            "difficulty_s": round(self.selection.stage_s, 2), "rollout_s": round(b.stage_s, 2),
+            "train_s": round(t.stage_s, 2), "publish_s": round(p.stage_s, 2),
+            "eval_s": round(self.evaluated.stage_s, 2),
+            "rows_dropped_divergence": m["rows_dropped_divergence"],
+            "rows_downweighted_divergence": m["rows_downweighted_divergence"],
+        }
+        out.update({k: round(b.scheduling[k], 3) for k in SCHEDULING_KEYS if k in b.scheduling})
+        out["policy_lag_hist"] = b.policy_lag_hist
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Numeric figures by namespace: ``rollout/…``, ``train/…``, ``publish/…``, ``eval/…``, ``time/…``."""
+        b, t, p = self.batch, self.trained, self.published
+        out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in asdict(b).items()
+                                 if isinstance(v, int | float) and k not in ("stage_s", "collected_at")}
+        out.update({f"rollout/{k}": float(v) for k, v in b.scheduling.items()})
+        out.update({f"rollout/outcome/{k}": float(v) for k, v in b.outcomes.items()})
+        out.update({f"train/{k}": float(v) for k, v in t.metrics.items()})
+        out.update({"train/policy_lag_max": t.policy_lag_max, "train/trainer_state_s": t.trainer_state_s})
+        out.update({f"publish/{k}": float(v) for k, v in asdict(p).items()
+                    if isinstance(v, int | float) and k != "stage_s"})
+        if self.evaluated.report:
+            out.update({f"eval/pass_at_{k}": float(v) for k, v in self.evaluated.report["pass_at_k"].items()})
+        out.update({"time/difficulty_s": self.selection.stage_s, "time/rollout_s": b.stage_s,
+                    "time/train_s": t.stage_s, "time/publish_s": p.stage_s, "time/eval_s": self.evaluated.stage_s})
+        return out
+
+    def line(self) -> str:
+        """The step line printed to the terminal."""
+        return format_summary(self.to_json())
+
+
+def format_summary(s: dict) -> str:
+    """One line per step for the terminal, from a stored summary (:meth:`StepSummary.to_json`)."""
+    outcomes = " ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items()))
+    infra = " ".join(f"{k}={v}" for k, v in sorted(s.get("infra_reasons", {}).items()))
+    if infra:
+        outcomes += f" infra_reasons({infra}) retried={s.get('retried', 0)}"
+    pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
+    if s.get("eval_delta"):
+        pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"
+    return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
+            f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
+            f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
+            f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
+            f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
+            f"checkpoint={s['checkpoint']} publish[{s.get('publish_pattern', 'storage')}] "
+            f"latency={s.get('publish_latency_s', 0):.1f}s pause={s.get('reload_pause_s', 0):.2f}s "
+            f"eval {pass1} "
+            + (f"episode_s p50/p90/max={s['episode_s_p50']:.1f}/{s['episode_s_p90']:.1f}/{s['episode_s_max']:.1f} "
+               f"straggler_tail={s['straggler_tail_s']:.1f}s engine_idle={s['engine_idle_s']:.1f}s "
+               f"gen_tok/s={s['generation_tokens_per_s']:.0f} prefix_hit={s['prefix_cache_hit_rate']:.2f} "
+               f"carried_in={s['groups_carried_in']:.0f} "
+               f"lag_hist={s['policy_lag_hist']} " if "episode_s_p50" in s else "")
+            + f"divergence drop/down={s.get('rows_dropped_divergence', 0):.0f}/"
+            f"{s.get('rows_downweighted_divergence', 0):.0f} "
+            f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "
+            f"publish+load {s['publish_s']} eval {s['eval_s']})")
