@@ -128,7 +128,7 @@ def real(batch: int, group_size: int, replicas: int, steps: int, train_s: float,
 
     backend = DockerBackend()
     tasks, split, errors = load_tasks(repo_root() / "envs/terminal", [], 0, 0)
-    tasks = {k: v for k, v in tasks.items() if v.kind == "terminal"}
+    tasks = {k: v for k, v in tasks.items() if v.acts_in_sandbox}
     entries, _ = build_catalog(backend, tasks, {k: "train" for k in tasks}, validate=False)
     images = {}
     ctx = RESULTS / "latency-ctx"

@@ -37,7 +37,7 @@ class Action:
 
 def initial_messages(task: Task) -> list[dict[str, str]]:
     """The chat that opens an episode."""
-    system = SYSTEM_PROMPT if task.kind == "terminal" else CODE_SYSTEM_PROMPT
+    system = SYSTEM_PROMPT if task.acts_in_sandbox else CODE_SYSTEM_PROMPT
     return [{"role": "system", "content": system}, {"role": "user", "content": task.instruction}]
 
 

@@ -21,9 +21,27 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from envs.task import Task, TaskError, is_finite, read_task_text
+from envs.task import SandboxLimits, Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
+from envs.verify import verify_harbor
+
+if TYPE_CHECKING:
+    from infra.sandbox.base import Sandbox
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarborTask(TerminalTask):
+    """A Harbor task: verified by its ``tests/test.sh``, which writes the reward file."""
+
+    task_format: ClassVar[str] = "harbor"
+    verifier_name: ClassVar[str] = "harbor"
+
+    def verify(self, sandbox: Sandbox, final_reply: str) -> Verdict:
+        """``tests/test.sh`` run with a fresh ``/logs/verifier``; reward read from it (``envs.verify``)."""
+        return verify_harbor(sandbox, self)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _MB_PER_UNIT = {"": 1 / 2**20, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
@@ -108,9 +126,8 @@ def load_harbor_task(folder: Path) -> Task:
     if not isinstance(tags, list):
         raise TaskError(f"{spec_path}: field 'metadata.tags' must be a list")
     solution = folder / "solution" / "solve.sh"
-    return Task(
+    return HarborTask(
         task_id=f"harbor/{folder.name}",
-        kind="terminal",
         instruction=read_task_text(instruction_path).strip(),
         build_context=env_dir,
         tests_dir=folder / "tests",
@@ -119,13 +136,9 @@ def load_harbor_task(folder: Path) -> Task:
         verifier_timeout_s=seconds("verifier", "timeout_sec", 120.0),
         difficulty=str(meta.get("difficulty", "")),
         tags=tuple(str(t) for t in tags) + ((str(meta["category"]),) if "category" in meta else ()),
-        task_format="harbor",
-        verifier="harbor",
         dockerfile=dockerfile,
         solution=read_task_text(solution) if solution.is_file() else None,
-        allow_internet=allow_internet,
-        cpus=float(cpus) if cpus is not None else None,
-        memory_mb=memory_mb,
-        disk_mb=disk_mb,
+        limits=SandboxLimits(cpus=float(cpus) if cpus is not None else None, memory_mb=memory_mb,
+                             network=allow_internet, disk_mb=disk_mb),
         setup_command=setup_command.strip(),
     )

@@ -7,9 +7,14 @@ image reference), how it is verified (hidden tests, never part of the image), an
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from infra.sandbox.base import Sandbox
 
 
 class Outcome(enum.StrEnum):
@@ -28,59 +33,168 @@ class Outcome(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What the verifier concluded.
+
+    Attributes:
+        reward: 1.0 pass, 0.0 fail (binary, as Terminal-Bench and HumanEval score; Harbor's may lie between).
+        outcome: success, model_failure (tests fail) or unknown (no parsable result).
+        reason: reason code (``tests_passed``, ``tests_failed``, ``tests_skipped``, ``no_tests_collected``,
+            ``verifier_timeout``, ``verifier_error``).
+        log: the verifier's output, truncated.
+    """
+
+    reward: float
+    outcome: Outcome
+    reason: str
+    log: str
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """A task's sandbox limits (``DockerBackend.start`` keywords); None: the backend's default.
+
+    Attributes:
+        cpus: CPU limit.
+        memory_mb: memory limit in MiB.
+        network: the task opts in to network access (default: no network at all).
+        disk_mb: disk limit for the sandbox's writable layer in MiB (enforced when the engine's
+            storage driver supports it, see ``DockerBackend``).
+    """
+
+    cpus: float | None = None
+    memory_mb: int | None = None
+    network: bool = False
+    disk_mb: int | None = None
+
+    def kwargs(self) -> dict:
+        """As keywords of ``SandboxBackend.start`` / ``WarmPool.acquire``."""
+        return {"cpus": self.cpus, "memory_mb": self.memory_mb, "network": self.network, "disk_mb": self.disk_mb}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Task:
-    """One task, whatever its source format.
+    """What every task has, whatever its format; the formats are the subclasses, each with its own ``verify``.
 
     Attributes:
         task_id: unique id, prefixed by its source (``tb/hello-file``, ``humaneval/HumanEval/0``).
-        kind: ``terminal`` (multi-turn shell agent) or ``code`` (single completion, tests run in a sandbox).
         instruction: what the agent is told.
-        build_context: folder holding the Dockerfile (terminal tasks); None for code tasks.
-        tests_dir: hidden tests copied into ``/tests`` only after the agent finished (terminal tasks).
-        test_program: for code tasks, the verifier program appended to the completion.
-        prompt: for code tasks, the code prefix the model continues.
-        agent_timeout_s: wall-clock budget for the agent's whole episode.
+        agent_timeout_s: budget for the agent's own commands, in seconds of tool time.
         command_timeout_s: limit for one command, enforced inside the container.
         verifier_timeout_s: limit for the hidden tests.
         difficulty: the task author's label (easy, medium, hard) or empty.
         tags: free labels.
-        task_format: ``terminal-bench``, ``harbor`` or ``humaneval`` (the folder/file format it came from).
-        verifier: ``pytest`` (Terminal-Bench: ``tests/test_outputs.py``), ``harbor`` (``tests/test.sh``
-            writes ``/logs/verifier/reward.txt`` or ``reward.json``) or ``code`` (program + ``check``).
-        dockerfile: the Dockerfile's path inside ``build_context``.
         solution: the reference solution (a shell script for terminal tasks, source code for code
             tasks); validation runs it and it must verify as success. None: cannot be validated.
-        allow_internet: the task opts in to network access (default: no network at all).
-        cpus: CPU limit for the sandbox (None: the backend's default).
-        memory_mb: memory limit for the sandbox in MiB (None: the backend's default).
-        disk_mb: disk limit for the sandbox's writable layer in MiB (None: the backend's default;
-            enforced when the engine's storage driver supports it, see ``DockerBackend``).
-        setup_command: an expensive set-up to run once in a started sandbox before any attempt
+        limits: the sandbox's limits (the task's own, else the backend's defaults).
+        setup_command: an expensive set-up run once in a started sandbox before any attempt
             (``[environment] setup_command`` in task.toml, ``setup_command`` in task.yaml; our
             extension): its result is committed as a snapshot image attempts start from.
+        task_format: the folder/file format it came from (``terminal-bench``, ``harbor``, ``humaneval``).
+        acts_in_sandbox: the agent acts in a sandbox over turns (terminal tasks), or answers once and
+            its answer is verified in a fresh sandbox (code tasks).
     """
 
     task_id: str
-    kind: str
     instruction: str
-    build_context: Path | None = None
-    tests_dir: Path | None = None
-    test_program: str = ""
-    prompt: str = ""
     agent_timeout_s: float = 120.0
     command_timeout_s: float = 10.0
     verifier_timeout_s: float = 30.0
     difficulty: str = ""
-    tags: tuple[str, ...] = field(default_factory=tuple)
-    task_format: str = "terminal-bench"
-    verifier: str = "pytest"
-    dockerfile: str = "Dockerfile"
+    tags: tuple[str, ...] = ()
     solution: str | None = None
-    allow_internet: bool = False
-    cpus: float | None = None
-    memory_mb: int | None = None
-    disk_mb: int | None = None
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
     setup_command: str = ""
+    task_format: ClassVar[str] = ""
+    acts_in_sandbox: ClassVar[bool] = True
+
+    def image_build(self) -> tuple[Path, str] | None:
+        """``(build context, Dockerfile path in it)`` of the task's own image; None: it runs in the base image."""
+        return None
+
+    def verify(self, sandbox: Sandbox, final_reply: str) -> Verdict:
+        """Score a finished episode in ``sandbox`` (``final_reply``: the model's last reply).
+
+        Raises:
+            SandboxInfraError: the sandbox died while verifying (an infra failure, not a verdict).
+        """
+        raise NotImplementedError
+
+    def submitted_commands(self, final_reply: str) -> list[str] | None:
+        """What a replay must run for this episode, when not the commands the agent ran (None)."""
+        return None
+
+    def replay(self, sandbox: Sandbox, commands: list[str]) -> Verdict:
+        """Re-run a stored episode's ``commands`` in ``sandbox`` and verify it again."""
+        raise NotImplementedError
+
+    def reference(self, sandbox: Sandbox, with_solution: bool) -> Verdict:
+        """The validation gate's run: the reference solution (``with_solution``) or a do-nothing agent, verified."""
+        raise NotImplementedError
+
+    verifier_name: ClassVar[str] = ""
+
+    def verification_parts(self) -> list[str]:
+        """Everything besides the image a validation verdict depends on, in the cache key's order.
+
+        Verifier, tests' hash, solution, test program, prompt, verifier timeout (as the key was made before).
+        """
+        return [self.verifier_name, "", self.solution or "", "", "", repr(self.verifier_timeout_s)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TerminalTask(Task):
+    """A task the agent solves with shell commands in a sandbox of its own image, verified there after.
+
+    Attributes:
+        build_context: folder holding the Dockerfile.
+        tests_dir: hidden tests, copied into ``/tests`` only after the agent finished.
+        dockerfile: the Dockerfile's path inside ``build_context``.
+    """
+
+    build_context: Path
+    tests_dir: Path
+    dockerfile: str = "Dockerfile"
+
+    def image_build(self) -> tuple[Path, str]:
+        """The task folder's Dockerfile."""
+        return self.build_context, self.dockerfile
+
+    def replay(self, sandbox: Sandbox, commands: list[str]) -> Verdict:
+        """Each command in order, with the per-command deadline, then the task's verifier."""
+        for command in commands:
+            sandbox.exec(command, timeout_s=self.command_timeout_s)
+        return self.verify(sandbox, "")
+
+    def reference(self, sandbox: Sandbox, with_solution: bool) -> Verdict:
+        """The solution script runs as the agent would (then is deleted); the task's verifier scores it."""
+        if not with_solution or self.solution is None:
+            return self.verify(sandbox, "")
+        sandbox.put_file(self.solution.encode(), "/agentrl-solution.sh")
+        r = sandbox.exec("bash /agentrl-solution.sh; rc=$?; rm -f /agentrl-solution.sh; exit $rc",
+                         timeout_s=max(self.agent_timeout_s, 30.0))
+        if r.timed_out:
+            return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", r.output[-2000:])
+        v = self.verify(sandbox, "")
+        return Verdict(v.reward, v.outcome, v.reason, f"solution exit {r.exit_code}: {r.output[-300:]}\n"
+                                                      f"verifier: {v.log}")
+
+    def verification_parts(self) -> list[str]:
+        """As :meth:`Task.verification_parts`, with the hidden tests' hash."""
+        parts = super().verification_parts()
+        parts[1] = tree_hash(self.tests_dir)
+        return parts
+
+
+def tree_hash(folder: Path | None) -> str:
+    """sha256 over a folder's relative paths and file bytes (empty string for None)."""
+    if folder is None:
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 class TaskError(ValueError):

@@ -17,13 +17,31 @@ the image's pytest under a hardened configuration (``envs/verify.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import yaml
 
-from envs.task import Task, TaskError, is_finite, read_task_text
+from envs.task import Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
+from envs.verify import verify_terminal
 
 SUPPORTED_PARSERS = ("pytest",)
+
+if TYPE_CHECKING:
+    from infra.sandbox.base import Sandbox
+
+
+@dataclass(frozen=True, kw_only=True)
+class TerminalBenchTask(TerminalTask):
+    """A Terminal-Bench 1.x task: verified by ``tests/test_outputs.py`` under our hardened pytest."""
+
+    task_format: ClassVar[str] = "terminal-bench"
+    verifier_name: ClassVar[str] = "pytest"
+
+    def verify(self, sandbox: Sandbox, final_reply: str) -> Verdict:
+        """Hidden tests copied in fresh, run with pytest, verdict from their JUnit report (``envs.verify``)."""
+        return verify_terminal(sandbox, self)
 
 
 def _compose_dockerfile(folder: Path) -> str:
@@ -107,9 +125,8 @@ def load_terminal_task(folder: Path) -> Task:
     if not isinstance(setup_command, str):
         raise TaskError(f"{spec_path}: field 'setup_command' must be a string")
     solution = folder / "solution.sh"
-    return Task(
+    return TerminalBenchTask(
         task_id=f"tb/{folder.name}",
-        kind="terminal",
         instruction=instruction.strip(),
         build_context=folder,
         tests_dir=folder / "tests",
@@ -118,8 +135,6 @@ def load_terminal_task(folder: Path) -> Task:
         verifier_timeout_s=seconds("max_test_timeout_sec", 30.0),
         difficulty=str(spec.get("difficulty", "")),
         tags=tuple(str(t) for t in tags),
-        task_format="terminal-bench",
-        verifier="pytest",
         dockerfile=dockerfile,
         solution=read_task_text(solution) if solution.is_file() else None,
         setup_command=setup_command.strip(),

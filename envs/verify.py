@@ -13,28 +13,15 @@ the sandbox.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from envs.task import Outcome, Task
+from envs.task import Outcome, TerminalTask, Verdict
 from infra.sandbox.base import Sandbox
 
+if TYPE_CHECKING:
+    from envs.humaneval import CodeTask
 
-@dataclass(frozen=True)
-class Verdict:
-    """What the verifier concluded.
-
-    Attributes:
-        reward: 1.0 pass, 0.0 fail (binary, as Terminal-Bench and HumanEval score).
-        outcome: success, model_failure (tests fail) or unknown (no parsable result).
-        reason: reason code (``tests_passed``, ``tests_failed``, ``tests_skipped``, ``no_tests_collected``,
-            ``verifier_timeout``, ``verifier_error``).
-        log: the verifier's output, truncated.
-    """
-
-    reward: float
-    outcome: Outcome
-    reason: str
-    log: str
+__all__ = ["Verdict", "junit_verdict", "parse_reward", "verify_code", "verify_harbor", "verify_terminal"]
 
 
 # pytest runs with our own ini (agent-written pytest.ini/pyproject/setup.cfg are ignored), conftest
@@ -71,13 +58,12 @@ def junit_verdict(report_xml: str, log: str) -> Verdict:
     return Verdict(1.0, Outcome.SUCCESS, "tests_passed", log)
 
 
-def verify_terminal(sandbox: Sandbox, task: Task) -> Verdict:
+def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     """Copy the hidden tests in (replacing any ``/tests`` the agent made) and run them.
 
     Raises:
         SandboxInfraError: the sandbox died while verifying (an infra failure, not a verdict).
     """
-    assert task.tests_dir is not None, f"{task.task_id}: terminal task without tests"
     sandbox.stop_agent_processes()
     sandbox.put_dir(task.tests_dir, "/tests")
     sandbox.put_file(b"[pytest]\n", _INI)
@@ -89,20 +75,6 @@ def verify_terminal(sandbox: Sandbox, task: Task) -> Verdict:
     if report is None:
         return Verdict(0.0, Outcome.UNKNOWN, "verifier_error", log)
     return junit_verdict(report.decode("utf-8", "replace"), log)
-
-
-def verify_task(sandbox: Sandbox, task: Task) -> Verdict:
-    """Verify a finished terminal episode with the task's own verifier (``pytest`` or ``harbor``).
-
-    Raises:
-        SandboxInfraError: the sandbox died while verifying.
-        ValueError: the task's verifier is not one of those two.
-    """
-    if task.verifier == "pytest":
-        return verify_terminal(sandbox, task)
-    if task.verifier == "harbor":
-        return verify_harbor(sandbox, task)
-    raise ValueError(f"{task.task_id}: verifier {task.verifier!r} is not a terminal verifier (pytest, harbor)")
 
 
 _REWARD_DIR = "/logs/verifier"
@@ -133,7 +105,7 @@ def parse_reward(reward_txt: bytes | None, reward_json: bytes | None) -> float |
     return float(value) if 0.0 <= value <= 1.0 else None
 
 
-def verify_harbor(sandbox: Sandbox, task: Task) -> Verdict:
+def verify_harbor(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     """Run a Harbor task's ``tests/test.sh`` and read the reward it wrote.
 
     Reward 1 is ``success``; below 1 is ``model_failure`` (reason ``tests_failed``, reward kept);
@@ -143,7 +115,6 @@ def verify_harbor(sandbox: Sandbox, task: Task) -> Verdict:
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
-    assert task.tests_dir is not None, f"{task.task_id}: harbor task without tests"
     sandbox.stop_agent_processes()
     sandbox.put_dir(task.tests_dir, "/tests")
     sandbox.exec(f"rm -rf {_REWARD_DIR} && mkdir -p {_REWARD_DIR} /logs/agent", timeout_s=10, workdir="/")
@@ -162,7 +133,7 @@ def verify_harbor(sandbox: Sandbox, task: Task) -> Verdict:
     return Verdict(reward, Outcome.MODEL_FAILURE, "tests_failed", log)
 
 
-def verify_code(sandbox: Sandbox, task: Task, program: str) -> Verdict:
+def verify_code(sandbox: Sandbox, task: CodeTask, program: str) -> Verdict:
     """Run ``program`` (code plus the problem's ``check``) with python3 in the sandbox.
 
     Exit 0 passes, any other exit fails the tests; a run past the verifier timeout is a

@@ -25,7 +25,7 @@ import docker.errors
 from envs.humaneval import load_humaneval
 from envs.task import Outcome, Task, TaskError
 from envs.taskset import load_taskset
-from envs.verify import Verdict, verify_code, verify_task
+from envs.verify import Verdict
 from infra.config import TaskSetConfig
 from infra.layout import resolve_path
 from infra.sandbox.base import SandboxInfraError
@@ -117,33 +117,18 @@ def load_run_tasks(t: TaskSetConfig) -> tuple[dict[str, Task], dict[str, str], l
                       resolve_path(t.code_file), [resolve_path(p) for p in t.task_sets if p])
 
 
-def _tree_hash(folder: Path | None) -> str:
-    """sha256 over a folder's relative paths and file bytes (empty string for None)."""
-    if folder is None:
-        return ""
-    h = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def validation_key(task: Task, image_digest: str) -> str:
     """Hash of everything a validation verdict depends on (image, tests, solution, verifier)."""
-    parts = [task.verifier, image_digest, _tree_hash(task.tests_dir), task.solution or "", task.test_program,
-             task.prompt, repr(task.verifier_timeout_s)]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
-
-
-DO_NOTHING_BODY = "    pass\n"
+    verifier, *rest = task.verification_parts()
+    return hashlib.sha256("\0".join([verifier, image_digest, *rest]).encode()).hexdigest()
 
 
 def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool, str]:
     """Run the reference solution (must verify as success) and a do-nothing agent (must not).
 
-    Terminal tasks: the solution script runs as the agent would (then is deleted), and the task's
-    own verifier scores the sandbox; the do-nothing agent is verified in a fresh sandbox. Code
-    tasks: the solution program and the prompt with a ``pass`` body are verified.
+    Each runs in a fresh sandbox, scored by the task's own ``reference`` run (terminal tasks: the
+    solution script runs as the agent would, then the task's verifier; code tasks: the solution
+    program and the prompt with a ``pass`` body are verified).
 
     Returns:
         (ok, message): ``ok`` False names what failed (``reference solution scored 0.0 (tests_failed)``,
@@ -156,23 +141,9 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
         return False, "no reference solution (solution.sh, solution/solve.sh or canonical_solution)"
 
     def run(with_solution: bool) -> Verdict:
-        limits = {"cpus": task.cpus, "memory_mb": task.memory_mb, "network": task.allow_internet,
-                  "disk_mb": task.disk_mb}
-        box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **limits)
+        box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **task.limits.kwargs())
         try:
-            if task.kind == "code":
-                body = task.solution if with_solution else task.prompt + DO_NOTHING_BODY
-                return verify_code(box, task, f"{body}\n\n{task.test_program}")
-            if with_solution:
-                box.put_file(task.solution.encode(), "/agentrl-solution.sh")
-                r = box.exec("bash /agentrl-solution.sh; rc=$?; rm -f /agentrl-solution.sh; exit $rc",
-                             timeout_s=max(task.agent_timeout_s, 30.0))
-                if r.timed_out:
-                    return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", r.output[-2000:])
-                v = verify_task(box, task)
-                return Verdict(v.reward, v.outcome, v.reason, f"solution exit {r.exit_code}: {r.output[-300:]}\n"
-                                                              f"verifier: {v.log}")
-            return verify_task(box, task)
+            return task.reference(box, with_solution)
         finally:
             box.close()
 
@@ -213,14 +184,14 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
     logs: dict[str, str] = {}
 
     def build(task: Task) -> EnvEntry:
-        if task.kind != "terminal":
+        image_build = task.image_build()
+        if image_build is None:
             return EnvEntry(task.task_id, split[task.task_id], BASE_IMAGE, base_digest, False, True,
                             task_format=task.task_format)
-        assert task.build_context is not None
+        context, dockerfile = image_build
         name = task.task_id.removeprefix("tb/")
         try:
-            tag, built, log = backend.build_image(name, task.build_context, task.dockerfile, base_images,
-                                                  fallback_base)
+            tag, built, log = backend.build_image(name, context, dockerfile, base_images, fallback_base)
         except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
             logs[task.task_id] = "".join(str(c.get("stream", "")) for c in getattr(e, "build_log", []) or [])
             return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}",

@@ -45,7 +45,7 @@ def save_trainer_state(run: Run, version: int) -> float:
     root = run.trainer_state_dir
     start = time.monotonic()
     run.trainer.save_state(root, f"v{version}")
-    tags = sorted((p for p in root.iterdir() if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-    for old in tags[:-2]:
+    saved = sorted((p for p in root.iterdir() if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    for old in saved[:-2]:
         shutil.rmtree(old, ignore_errors=True)
     return time.monotonic() - start

@@ -27,9 +27,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from envs.agent import FORMAT_REMINDER, initial_messages, observation, parse_action
-from envs.humaneval import extract_program
 from envs.task import Outcome, Task
-from envs.verify import Verdict, verify_code, verify_task
+from envs.verify import Verdict
 from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
 from infra.rollout.scheduler import EpisodeJob
@@ -153,10 +152,10 @@ class Collector:
         if self.sandbox_pool is not None:
             demand: dict[tuple, int] = {}
             for e in episodes:
-                key = (e.image, e.task.cpus, e.task.memory_mb, e.task.allow_internet, e.task.disk_mb)
+                key = (e.image, e.task.limits)
                 demand[key] = demand.get(key, 0) + 1
-            for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
-                self.sandbox_pool.ensure(image, n, cpus=cpus, memory_mb=memory_mb, network=network, disk_mb=disk_mb)
+            for (image, limits), n in demand.items():
+                self.sandbox_pool.ensure(image, n, **limits.kwargs())
         finished: list[Episode] = []
         batch = episodes
         for attempt in range(self.s.max_infra_retries + 1):
@@ -191,7 +190,7 @@ class Collector:
         try:
             e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
             e.prompt_tokens = len(e.token_ids)
-            if e.task.kind == "terminal":
+            if e.task.acts_in_sandbox:
                 self._acquire(e)
             while not e.done and not job.cancel.is_set():
                 self._turn([e])
@@ -219,7 +218,7 @@ class Collector:
             e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
             e.prompt_tokens = len(e.token_ids)
         # Sandboxes are acquired while the first turn is generated: a command needs one, a prompt does not.
-        acquiring = [self.pool.submit(self._acquire, e) for e in episodes if e.task.kind == "terminal"]
+        acquiring = [self.pool.submit(self._acquire, e) for e in episodes if e.task.acts_in_sandbox]
         try:
             while live := [e for e in episodes if not e.done]:
                 self._turn(live)
@@ -236,8 +235,7 @@ class Collector:
 
     def _start_sandbox(self, e: Episode, image: str) -> None:
         labels = {"agentrl.episode": e.episode_id}
-        limits = {"cpus": e.task.cpus, "memory_mb": e.task.memory_mb, "network": e.task.allow_internet,
-                  "disk_mb": e.task.disk_mb}
+        limits = e.task.limits.kwargs()
         if self.sandbox_pool is not None:
             e.sandbox, e.sandbox_warm = self.sandbox_pool.acquire(image, labels, **limits)
         else:
@@ -295,7 +293,7 @@ class Collector:
         """Run the command of the episode's last reply and append its observation."""
         if e.infra_reason:
             return
-        if e.done or e.task.kind == "code":
+        if e.done or not e.task.acts_in_sandbox:
             e.agent_end = e.agent_end or "single_turn"
             return
         action = parse_action(e.last_reply)
@@ -338,18 +336,16 @@ class Collector:
             return
         start = time.monotonic()
         try:
-            if e.task.kind == "terminal":
+            if e.task.acts_in_sandbox:
                 if e.sandbox is None:
                     e.infra_reason = "sandbox_missing"
                     return
-                e.verdict = verify_task(e.sandbox, e.task)
-            else:
+            else:  # the answer is verified in a fresh sandbox
                 t0 = time.monotonic()
                 self._start_sandbox(e, self.code_image)
                 e.sandbox_acquire_s = time.monotonic() - t0
-                program = extract_program(e.task, e.last_reply)
-                e.commands = [program]
-                e.verdict = verify_code(e.sandbox, e.task, program)
+            e.commands = e.task.submitted_commands(e.last_reply) or e.commands
+            e.verdict = e.task.verify(e.sandbox, e.last_reply)
         except SandboxInfraError as err:
             self._sandbox_failed(e, err)
         e.verify_s = time.monotonic() - start
@@ -403,16 +399,10 @@ def replay_episode(row: dict, task: Task, backend: SandboxBackend, code_image: s
         raise ValueError(f"row of {row['task_id']} replayed against task {task.task_id}")
     if row["outcome"] == str(Outcome.INFRA_FAILURE):
         raise ValueError(f"episode {row['episode_id']} ended in infra_failure ({row['reason']}): nothing to replay")
-    image = (row["image_digest"] or row["image"]) if task.kind == "terminal" else code_image
-    box = backend.start(image, {"agentrl.replay": row["episode_id"]}, cpus=task.cpus, memory_mb=task.memory_mb,
-                        network=task.allow_internet, disk_mb=task.disk_mb)
+    image = (row["image_digest"] or row["image"]) if task.acts_in_sandbox else code_image
+    box = backend.start(image, {"agentrl.replay": row["episode_id"]}, **task.limits.kwargs())
     try:
-        if task.kind == "code":
-            verdict = verify_code(box, task, row["commands"][0] if row["commands"] else "")
-        else:
-            for command in row["commands"]:
-                box.exec(command, timeout_s=task.command_timeout_s)
-            verdict = verify_task(box, task)
+        verdict = task.replay(box, row["commands"])
     finally:
         box.close()
     reproduced = abs(verdict.reward - row["reward"]) < 1e-6 and str(verdict.outcome) == row["outcome"]

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from envs.agent import FORMAT_REMINDER, SYSTEM_PROMPT
+from envs.harbor import HarborTask
+from envs.humaneval import CodeTask
 from envs.task import Task
+from envs.terminal_bench import TerminalBenchTask
 from infra.rollout.collector import Collector, CollectSettings
 from infra.rollout.scheduler import EpisodeJob
 from infra.rollout.servers import EngineUnavailable
@@ -90,9 +93,9 @@ def terminal_task(tmp_path: Path, verifier: str = "pytest", **kw) -> Task:
     else:
         (tests / "test.sh").write_text("#!/bin/bash\n[ \"$(cat /app/hello.txt)\" = hello ] && echo 1 > "
                                        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
-    fmt = {"pytest": "terminal-bench", "harbor": "harbor"}[verifier]
-    return Task(task_id=kw.pop("task_id", "tb/hello"), kind="terminal", instruction="Write hello to /app/hello.txt.",
-                tests_dir=tests, verifier=verifier, task_format=fmt, **kw)
+    kind = {"pytest": TerminalBenchTask, "harbor": HarborTask}[verifier]
+    return kind(task_id=kw.pop("task_id", "tb/hello"), instruction="Write hello to /app/hello.txt.",
+                build_context=tests.parent, tests_dir=tests, **kw)
 
 
 @dataclass
@@ -102,7 +105,7 @@ class Rig:
     sandboxes: InMemoryBackend
 
     def run(self, task: Task, seed: int = SEED, job: EpisodeJob | None = None) -> dict:
-        self.collector.bind("run", 3, {task.task_id: (IMAGE, DIGEST)} if task.kind == "terminal" else {})
+        self.collector.bind("run", 3, {task.task_id: (IMAGE, DIGEST)} if task.acts_in_sandbox else {})
         job = job or EpisodeJob(f"run/3/{task.task_id}", task, 0, 0, seed, 0)
         row = self.collector.run(job)
         validate_rows([row])
@@ -355,9 +358,9 @@ def test_a_harbor_task_is_scored_from_its_reward_file(rig, tmp_path, replies, ou
 @pytest.mark.parametrize(("body", "outcome"), [("    return a + b\n", "success"),
                                                ("    return a - b\n", "model_failure")])
 def test_a_code_task_is_one_turn_verified_in_the_code_image(rig, body, outcome):
-    task = Task("humaneval/add", "code", "Complete add.", prompt="def add(a, b):\n",
-                test_program="def check(f):\n    assert f(1, 2) == 3\n\ncheck(add)\n", tags=("humaneval", "add"),
-                task_format="humaneval", verifier="code")
+    task = CodeTask(task_id="humaneval/add", instruction="Complete add.", prompt="def add(a, b):\n",
+                    test_program="def check(f):\n    assert f(1, 2) == 3\n\ncheck(add)\n", tags=("humaneval",),
+                    entry_point="add")
     r = rig([f"```python\n{body}```", DONE])
     row = r.run(task)
     program = f"def add(a, b):\n{body}\n\n{task.test_program}"  # prompt + body, then the tests (extract_program)

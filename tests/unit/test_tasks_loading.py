@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from envs.harbor import HarborTask
 from envs.humaneval import extract_program, load_humaneval
-from envs.task import TaskError
-from envs.terminal_bench import load_terminal_tasks
+from envs.task import SandboxLimits, TaskError
+from envs.terminal_bench import TerminalBenchTask, load_terminal_tasks
 from infra.environments import load_tasks
 
 TERMINAL = Path(__file__).parents[2] / "envs" / "terminal"
@@ -21,7 +22,7 @@ def test_shipped_terminal_tasks_load_with_graded_difficulty():
     assert len(tasks) >= 6
     assert {t.difficulty for t in tasks} >= {"easy", "medium", "hard"}
     for t in tasks:
-        assert t.kind == "terminal" and t.instruction and t.tests_dir.is_dir()
+        assert isinstance(t, TerminalBenchTask) and t.instruction and t.tests_dir.is_dir()
         assert (t.build_context / "solution.sh").is_file()
 
 
@@ -103,12 +104,12 @@ def test_shipped_harbor_tasks_load():
     assert len(tasks) >= 3
     by_id = {t.task_id: t for t in tasks}
     greet = by_id["harbor/write-greeting"]
-    assert (greet.task_format, greet.verifier, greet.kind) == ("harbor", "harbor", "terminal")
+    assert isinstance(greet, HarborTask) and (greet.task_format, greet.verifier_name) == ("harbor", "harbor")
     assert greet.agent_timeout_s == 120.0 and greet.verifier_timeout_s == 30.0
-    assert greet.cpus == 1.0 and greet.memory_mb == 512 and greet.allow_internet is False and greet.disk_mb == 1024
+    assert greet.limits == SandboxLimits(cpus=1.0, memory_mb=512, network=False, disk_mb=1024)
     assert greet.build_context == HARBOR / "write-greeting" / "environment"
     assert greet.solution and "Hello, Harbor!" in greet.solution
-    assert by_id["harbor/fix-median"].memory_mb == 512  # memory = "512M"
+    assert by_id["harbor/fix-median"].limits.memory_mb == 512  # memory = "512M"
     assert "file-operations" in greet.tags and greet.difficulty == "easy"
 
 
