@@ -204,7 +204,7 @@ class VLLMEngine:
         return total
 
     def close(self) -> None:
-        """Stop the batching thread and free the engine (its memory, vLLM's process groups); idempotent.
+        """Stop the batching thread and free the engine (its memory, vLLM's model-parallel groups); idempotent.
 
         Another engine may be started in this process afterwards.
         """
@@ -220,9 +220,10 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        # vLLM's own groups only: the process's default group may be the trainer's (DeepSpeed keeps using it)
+        from vllm.distributed.parallel_state import destroy_model_parallel
 
-        cleanup_dist_env_and_memory()
+        destroy_model_parallel()
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""

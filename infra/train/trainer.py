@@ -213,6 +213,18 @@ class GRPOTrainer:
                 "decision": "keep" if w == 1.0 else ("drop" if w == 0.0 else "downweight")})
         return weight
 
+    def close(self) -> None:
+        """Free the engine and release DeepSpeed's cached process groups, so a later trainer in this process starts.
+
+        DeepSpeed caches a clone of the world group; the in-process vLLM engine's shutdown destroys the
+        world it belongs to, and a new trainer would then fail on the stale clone ("Group ... is not
+        registered"). DeepSpeed's own world teardown releases them the same way (``deepspeed.comm``).
+        """
+        from deepspeed.utils import groups
+
+        self.engine = self.model = None
+        groups._release_process_group_references(None)
+
     def save_state(self, directory: Path, tag: str) -> None:
         """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly."""
         self.engine.save_checkpoint(str(directory), tag=tag, client_state={"steps_done": self.steps_done})
