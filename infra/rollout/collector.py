@@ -1,17 +1,18 @@
-"""Rollout collection: G attempts per task, agents acting in sandboxes, verifiers scoring them.
+"""The episode runner: G attempts per task, a harness acting in each sandbox, the task's verifier scoring it.
 
-The loop is turn-synchronous: every live episode's next turn is generated in one batched engine
-call, then the commands run concurrently in their sandboxes, then observations are appended and
-the next turn starts. Terminal tasks run up to ``max_turns`` commands; code tasks (HumanEval) are
-one turn whose program is verified in a sandbox. An episode that ends in ``infra_failure`` is
-retried (a new attempt) up to ``max_infra_retries`` times; every attempt is stored.
+One loop for every mode: :meth:`Collector.run` runs one attempt (sandbox, harness, verification,
+classification, row), driven by the asynchronous collector in training and, through a one-shot
+scheduler, by :meth:`Collector.collect` (sync mode, evaluation, a fan-out worker's group). Seeds come
+from the scheduler's jobs and infra retries are the scheduler's. The harness (``envs.harness``;
+default the bash-fence agent) asks for turns through the runner, which records every sampled id
+with its logprob and policy version; terminal tasks act in their sandbox over turns, code tasks
+answer once and are verified in a fresh sandbox.
 
 The agent's budget is counted in turns and in the time its own commands took (``tool_s``), not
 in wall clock shared with other episodes' generation, so a slow batch never costs the model.
 
-Sandboxes: with a :class:`~infra.sandbox.pool.WarmPool`, the step's demand per image is declared
-up front, terminal episodes' sandboxes are acquired while the first turn is being generated, and
-code tasks' verification sandboxes come warm from the pool (started during generation).
+Sandboxes: with a :class:`~infra.sandbox.pool.WarmPool`, the batch's demand per image is declared
+up front, so sandboxes come warm from the pool.
 
 Replay: every row stores the commands run (for code tasks, the one program verified) and the
 image digest, so :func:`replay_episode` can re-run them and reproduce the verifier's result.
@@ -23,18 +24,18 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from envs.agent import FORMAT_REMINDER, initial_messages, observation, parse_action
+from envs.harness import BashFenceHarness, Harness
 from envs.task import Outcome, Task
 from envs.verify import Verdict
 from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
-from infra.rollout.scheduler import EpisodeJob
+from infra.rollout.scheduler import AsyncCollector, EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
+from infra.store import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -111,68 +112,142 @@ class CollectSettings:
                    r.max_infra_retries)
 
 
+class _EpisodeIO:
+    """The runner's side of :class:`envs.harness.EpisodeIO` for one episode (token bookkeeping, sandbox, budget)."""
+
+    def __init__(self, runner: Collector, e: Episode, cancel):
+        self.runner, self.e, self.cancel, self.task = runner, e, cancel, e.task
+
+    @property
+    def num_turns(self) -> int:
+        return self.e.num_turns
+
+    @property
+    def tool_s(self) -> float:
+        return self.e.tool_s
+
+    def start(self, messages: list[dict[str, str]]) -> None:
+        self.e.append(self.runner.chat.prompt_ids(messages), None)
+        self.e.prompt_tokens = len(self.e.token_ids)
+
+    def sample(self) -> str | None:
+        e, s = self.e, self.runner.s
+        if e.done:
+            return None
+        if self.cancel.is_set():
+            e.infra_reason = "cancelled"
+            return None
+        room = self.runner.engine.max_model_len - len(e.token_ids)
+        if room < 8:
+            e.agent_end = "context_full"
+            return None
+        request = SampleRequest(e.token_ids, min(s.max_tokens_per_turn, room), s.temperature, s.top_p,
+                                e.seed + 7919 * e.num_turns)
+        start = time.monotonic()
+        try:
+            (sample,) = self.runner.engine.generate([request], [e.episode_id])
+        except EngineUnavailable as err:
+            log.warning("engine unavailable for episode %s: %s", e.episode_id, err)
+            e.infra_reason = "engine_unreachable"
+            return None
+        e.generation_s += time.monotonic() - start
+        e.append(sample.token_ids, sample)
+        e.num_turns += 1
+        e.stop_reason = sample.stop_reason
+        e.last_reply = sample.text
+        e.engine_replica = sample.replica or self.runner.engine.replica
+        return sample.text
+
+    def execute(self, command: str):
+        e = self.e
+        if e.done:
+            return None
+        e.commands.append(command)
+        assert e.sandbox is not None, "a terminal episode acts in its sandbox"
+        try:
+            result = e.sandbox.exec(command, timeout_s=e.task.command_timeout_s)
+        except SandboxInfraError as err:
+            Collector._sandbox_failed(e, err)
+            return None
+        e.tool_s += result.duration_s
+        return result
+
+    def observe(self, text: str) -> None:
+        self.e.append(self.runner.chat.continuation_ids(self.e.token_ids, text), None)
+
+    def end(self, agent_end: str) -> None:
+        self.e.agent_end = self.e.agent_end or agent_end
+
+
 class Collector:
-    """Runs groups of episodes against one engine and one sandbox backend."""
+    """The episode runner: one attempt at a time, a harness acting in its sandbox, the task's verifier after.
+
+    :meth:`run` is the :class:`~infra.rollout.scheduler.EpisodeRunner` the asynchronous collector
+    drives; :meth:`collect` (sync mode, evaluation, one fan-out worker's group) drives the same runner
+    through a one-shot :class:`~infra.rollout.scheduler.AsyncCollector`, so seeds come from the job and
+    infra retries from the scheduler, in every mode.
+    """
 
     def __init__(self, engine: VLLMEngine, backend: SandboxBackend, settings: CollectSettings,
-                 code_image: str, max_workers: int = 8, pool: WarmPool | None = None):
-        """Create a collector.
+                 code_image: str, pool: WarmPool | None = None, harness: Harness | None = None):
+        """Create a runner.
 
         ``code_image`` is the sandbox image code tasks are verified in (needs python3); ``pool``
-        (optional) hands out already started sandboxes.
+        (optional) hands out already started sandboxes; ``harness`` acts in each episode (default:
+        :class:`~envs.harness.BashFenceHarness`).
         """
         self.engine, self.backend, self.s, self.sandbox_pool = engine, backend, settings, pool
         self.chat = ChatTokens(engine.tokenizer)
         self.code_image = code_image
-        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sandbox")
+        self.harness = harness or BashFenceHarness()
 
     def collect(self, run_id: str, step: int, tasks: list[Task], images: dict[str, tuple[str, str]],
                 on_progress: Callable[[int, int], None] | None = None, first_group: int = 0) -> list[dict]:
-        """Collect ``group_size`` attempts for each task; returns one row per attempt (retries included).
+        """Run ``group_size`` attempts for each task to their end; returns one row per attempt (retries included).
+
+        Every episode runs on its own worker (the engines batch their turns); an attempt ending in
+        ``infra_failure`` is retried up to ``max_infra_retries`` times, then its group is dropped (its
+        rows are still returned). No deadline, no carry-over: exactly these groups.
 
         Args:
             run_id: run identifier stored in every row.
-            step: training step the rollouts are for.
-            tasks: tasks of this step; each becomes one group.
-            images: task id -> (image tag, image digest) for terminal tasks.
-            on_progress: called with (finished, total) after each turn.
+            step: training step the rollouts are for (seeds derive from it).
+            tasks: each becomes one group ``{run_id}/{step}/{task_id}``.
+            images: task id -> (image tag, image digest).
+            on_progress: called with (groups finished, groups) as groups finish.
             first_group: index of ``tasks[0]``'s group in the step (seeds derive from it), for a step
                 collected in parts (one group per fan-out worker).
 
         Returns:
-            Rows matching :data:`infra.store.TRAJECTORY_SCHEMA`, grouped by task.
+            Rows matching :data:`infra.store.TRAJECTORY_SCHEMA`, by group, sample index and attempt.
         """
-        episodes = []
-        for g, task in enumerate(tasks, start=first_group):
-            image, digest = images.get(task.task_id, (self.code_image, ""))
-            group_id = f"{run_id}/{step}/{task.task_id}"
-            for i in range(self.s.group_size):
-                seed = (self.s.seed * 1_000_003 + step * 10_007 + g * 101 + i) % (2**31)
-                episodes.append(Episode(task, group_id, i, 0, seed, image, digest))
+        if not tasks:
+            return []
+        self.bind(run_id, step, images)
         if self.sandbox_pool is not None:
             demand: dict[tuple, int] = {}
-            for e in episodes:
-                key = (e.image, e.task.limits)
-                demand[key] = demand.get(key, 0) + 1
+            for t in tasks:
+                key = (images.get(t.task_id, (self.code_image, ""))[0], t.limits)
+                demand[key] = demand.get(key, 0) + self.s.group_size
             for (image, limits), n in demand.items():
                 self.sandbox_pool.ensure(image, n, **limits.kwargs())
-        finished: list[Episode] = []
-        batch = episodes
-        for attempt in range(self.s.max_infra_retries + 1):
-            self._run(batch, on_progress, len(episodes))
-            finished += batch
-            retry = [e for e in batch if e.infra_reason]
-            if not retry or attempt == self.s.max_infra_retries:
-                break
-            self.backend.wait_engine(60.0)  # after an engine restart, retry once it answers again
-            batch = [Episode(e.task, e.group_id, e.sample_index, attempt + 1, e.seed + attempt + 1,
-                             e.image, e.image_digest) for e in retry]
+        sched = AsyncCollector(self, group_size=self.s.group_size, max_groups_in_flight=len(tasks),
+                               max_concurrent_episodes=len(tasks) * self.s.group_size, max_policy_lag=2**31 - 1,
+                               episode_deadline_s=float("inf"), infra_policy="retry",
+                               max_infra_retries=self.s.max_infra_retries, prefetch=False,
+                               policy_version=self.engine.policy_version,
+                               seed=(self.s.seed * 7919 + step * 10_007) % (2**31), first_launch_index=first_group)
+        try:
+            sched.submit([(f"{run_id}/{step}/{t.task_id}", t) for t in tasks])
+            batch = sched.run_all(on_progress)
+        finally:
+            sched.close()
         if self.backend.sweep_leftovers() and self.backend.wait_engine(60.0):
             self.backend.sweep_leftovers()
-        return [self._row(run_id, step, e) for e in sorted(finished, key=lambda e: (e.group_id, e.sample_index,
-                                                                                        e.attempt))]
+        columns = set(TRAJECTORY_SCHEMA.names)  # the scheduler's bookkeeping (finished_s, episode_s) stays out
+        rows = [{k: v for k, v in r.items() if k in columns} for r in batch.rows]
+        return sorted(rows, key=lambda r: (r["group_id"], r["sample_index"], r["attempt"]))
 
-    # -- one episode at a time (the asynchronous collector's runner) -----------------------
     def bind(self, run_id: str, step: int, images: dict[str, tuple[str, str]]) -> None:
         """Set what rows of episodes launched from now on record: run id, step, task images."""
         self._bound = (run_id, step, images)
@@ -180,21 +255,21 @@ class Collector:
     def run(self, job: EpisodeJob) -> dict:
         """Run one attempt start to end (:class:`~infra.rollout.scheduler.EpisodeRunner`).
 
-        Every turn is its own engine request routed by the episode id (the engines batch
-        concurrent episodes continuously). ``job.cancel`` is checked between turns: a cancelled
-        attempt ends as ``infra_failure/cancelled`` and its sandbox is released.
+        The sandbox is acquired (terminal tasks), the harness acts, the task verifies. Every turn is
+        its own engine request routed by the episode id (the engines batch concurrent episodes).
+        ``job.cancel`` is checked between turns: a cancelled attempt ends as ``infra_failure/cancelled``.
+        A retried attempt first waits (up to 60 s) for the sandbox engine to answer (after a restart).
         """
         run_id, step, images = self._bound
         image, digest = images.get(job.task.task_id, (self.code_image, ""))
         e = Episode(job.task, job.group_id, job.sample_index, job.attempt, job.seed, image, digest)
         try:
-            e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
-            e.prompt_tokens = len(e.token_ids)
+            if job.attempt:
+                self.backend.wait_engine(60.0)
             if e.task.acts_in_sandbox:
                 self._acquire(e)
-            while not e.done and not job.cancel.is_set():
-                self._turn([e])
-                self._act(e)
+            if not e.infra_reason:
+                self.harness.act(_EpisodeIO(self, e, job.cancel), self.s.max_turns)
             if job.cancel.is_set() and not e.infra_reason:
                 e.infra_reason = "cancelled"
             if not e.infra_reason:
@@ -212,27 +287,7 @@ class Collector:
         e.infra_reason = reason
         return self._row(run_id, step, e)
 
-    # -- the loop -------------------------------------------------------------------------
-    def _run(self, episodes: list[Episode], on_progress, total: int) -> None:
-        for e in episodes:
-            e.append(self.chat.prompt_ids(initial_messages(e.task)), None)
-            e.prompt_tokens = len(e.token_ids)
-        # Sandboxes are acquired while the first turn is generated: a command needs one, a prompt does not.
-        acquiring = [self.pool.submit(self._acquire, e) for e in episodes if e.task.acts_in_sandbox]
-        try:
-            while live := [e for e in episodes if not e.done]:
-                self._turn(live)
-                if acquiring:
-                    wait(acquiring)
-                    acquiring = []
-                list(self.pool.map(self._act, live))
-                if on_progress:
-                    on_progress(sum(e.done for e in episodes), total)
-            list(self.pool.map(self._verify, [e for e in episodes if not e.infra_reason]))
-        finally:
-            wait(acquiring)
-            list(self.pool.map(self._release, episodes))
-
+    # -- sandboxes and verification ------------------------------------------------------
     def _start_sandbox(self, e: Episode, image: str) -> None:
         labels = {"agentrl.episode": e.episode_id}
         limits = e.task.limits.kwargs()
@@ -258,69 +313,6 @@ class Collector:
         if e.sandbox is not None:
             e.sandbox.close()
             e.sandbox = None
-
-    def _turn(self, live: list[Episode]) -> None:
-        max_len = self.engine.max_model_len
-        requests, ready = [], []
-        for e in live:
-            room = max_len - len(e.token_ids)
-            if room < 8:
-                e.agent_end = "context_full"
-                continue
-            requests.append(SampleRequest(e.token_ids, min(self.s.max_tokens_per_turn, room), self.s.temperature,
-                                          self.s.top_p, e.seed + 7919 * e.num_turns))
-            ready.append(e)
-        if not requests:
-            return
-        start = time.monotonic()
-        try:
-            samples = self.engine.generate(requests, [e.episode_id for e in ready])
-        except EngineUnavailable as err:
-            log.warning("engine unavailable for %d episode(s): %s", len(ready), err)
-            for e in ready:
-                e.infra_reason = "engine_unreachable"
-            return
-        elapsed = time.monotonic() - start
-        for e, sample in zip(ready, samples, strict=True):
-            e.generation_s += elapsed
-            e.append(sample.token_ids, sample)
-            e.num_turns += 1
-            e.stop_reason = sample.stop_reason
-            e.last_reply = sample.text
-            e.engine_replica = sample.replica or self.engine.replica
-
-    def _act(self, e: Episode) -> None:
-        """Run the command of the episode's last reply and append its observation."""
-        if e.infra_reason:
-            return
-        if e.done or not e.task.acts_in_sandbox:
-            e.agent_end = e.agent_end or "single_turn"
-            return
-        action = parse_action(e.last_reply)
-        if action.command is None:
-            obs = FORMAT_REMINDER
-            if action.done:
-                e.agent_end = "done"
-                return
-        else:
-            e.commands.append(action.command)
-            assert e.sandbox is not None
-            try:
-                result = e.sandbox.exec(action.command, timeout_s=e.task.command_timeout_s)
-            except SandboxInfraError as err:
-                self._sandbox_failed(e, err)
-                return
-            e.tool_s += result.duration_s
-            obs = observation(result.exit_code, result.output, result.timed_out, e.task.command_timeout_s)
-            if action.done:
-                e.agent_end = "done"
-                return
-        if e.num_turns >= self.s.max_turns:
-            e.agent_end = "max_turns"
-        elif e.tool_s >= e.task.agent_timeout_s:
-            e.agent_end = "agent_timeout"
-        else:
-            e.append(self.chat.continuation_ids(e.token_ids, obs), None)
 
     @staticmethod
     def _sandbox_failed(e: Episode, err: SandboxInfraError) -> None:

@@ -197,7 +197,8 @@ class AsyncCollector:
                  max_concurrent_episodes: int, max_policy_lag: int = 1, episode_deadline_s: float = 600.0,
                  infra_policy: InfraPolicy = "retry", max_infra_retries: int = 1,
                  update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
-                 policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic):
+                 policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
+                 first_launch_index: int = 0):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -216,6 +217,8 @@ class AsyncCollector:
             policy_version: version of the weights the engines serve now.
             seed: base of the per-attempt seeds.
             clock: monotonic clock (seconds).
+            first_launch_index: launch index of the first group (attempt seeds derive from it), for groups
+                of one batch collected by several collectors (one group per fan-out worker).
 
         Raises:
             ValueError: a size or policy out of range.
@@ -236,7 +239,7 @@ class AsyncCollector:
         self._pending: list[tuple[str, Any]] = []  # (group_id, task) not yet launched
         self._groups: dict[str, Group] = {}  # launched, not complete, not dropped
         self._running: dict[int, EpisodeJob] = {}  # id(job) -> job
-        self._launched = 0
+        self._launched = first_launch_index
         self._launching = True
         self._wanted = 0  # groups the current request still needs (prefetch=False bound)
         self._dropped: list[Group] = []  # dropped for infra since the last batch
@@ -337,6 +340,41 @@ class AsyncCollector:
             rows = [r for g in groups for r in g.rows]
             return BatchResult(groups, rows, dropped,
                                self._metrics(groups, start, end, min(carried_in, n_groups), counters0))
+
+    def run_all(self, on_progress: Callable[[int, int], None] | None = None) -> BatchResult:
+        """Run every submitted group to its end (complete, or dropped after its retries) and return them all.
+
+        A one-shot batch (sync mode, evaluation): ``rows`` holds every attempt of every group, dropped
+        ones included; ``groups`` the complete ones, in launch order; metrics as :meth:`next_batch`.
+        ``on_progress(finished groups, groups)`` is called as groups finish.
+        """
+        start = self.clock()
+        with self._changed:
+            counters0 = Counter(self.counters)
+            total = len(self._pending) + len(self._groups)
+            self._wanted = total
+            self._launch()
+            reported = -1
+            while self._groups or self._pending:
+                finished = total - len(self._groups) - len(self._pending)
+                if on_progress is not None and finished != reported:
+                    reported = finished
+                    self._changed.release()
+                    try:
+                        on_progress(finished, total)
+                    finally:
+                        self._changed.acquire()
+                    continue
+                self._changed.wait(timeout=0.5)
+            self._wanted = 0
+            groups = self.bank.take(len(self.bank), self.policy_version, in_launch_order=True)
+            dropped, self._dropped = self._dropped + self.bank.dropped_stale, []
+            self.bank.dropped_stale = []
+            rows = [r for g in groups + dropped for r in g.rows]
+            result = BatchResult(groups, rows, dropped, self._metrics(groups, start, self.clock(), 0, counters0))
+        if on_progress is not None:
+            on_progress(total, total)
+        return result
 
     def update_weights(self, apply: Callable[[], Any], version: int) -> float:
         """Change the policy version, applying ``apply()`` (which loads the weights) per ``update_policy``.

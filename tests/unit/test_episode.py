@@ -23,7 +23,7 @@ from infra.rollout.scheduler import EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import SandboxInfraError
 from infra.store import validate_rows
-from tests.fakes import InMemoryBackend, InMemorySandbox, Reply, ScriptedEngine, junit_report, per_episode
+from tests.fakes import InMemoryBackend, InMemorySandbox, Reply, ScriptedEngine, junit_report
 
 CODE_IMAGE = "agentrl-base:bookworm"
 IMAGE, DIGEST = "agentrl-task/hello:abc123", "sha256:feedface"
@@ -111,28 +111,23 @@ class Rig:
         validate_rows([row])
         return row
 
-    def collect(self, tasks: list[Task], **kw) -> list[dict]:
-        rows = self.collector.collect("run", 3, tasks, {t.task_id: (IMAGE, DIGEST) for t in tasks}, **kw)
+    def collect(self, tasks: list[Task], step: int = 3, **kw) -> list[dict]:
+        rows = self.collector.collect("run", step, tasks, {t.task_id: (IMAGE, DIGEST) for t in tasks}, **kw)
         validate_rows(rows)
         return rows
 
 
 @pytest.fixture
 def rig(tiny_tokenizer):
-    made: list[Collector] = []
-
     def make(script, exec_fn=world, max_model_len: int = 2048, start_failures=(), **settings) -> Rig:
         s = {"group_size": 1, "temperature": 0.7, "top_p": 0.95, "max_tokens_per_turn": 64, "max_turns": 5,
              "seed": 0, "max_infra_retries": 1, **settings}
         engine = ScriptedEngine(tiny_tokenizer, script, max_model_len=max_model_len)
         sandboxes = InMemoryBackend(exec_fn, start_failures)
-        c = Collector(engine, sandboxes, CollectSettings(**s), code_image=CODE_IMAGE, max_workers=4)
-        made.append(c)
+        c = Collector(engine, sandboxes, CollectSettings(**s), code_image=CODE_IMAGE)
         return Rig(c, engine, sandboxes)
 
-    yield make
-    for c in made:
-        c.pool.shutdown(wait=True)
+    return make
 
 
 def execs(box: InMemorySandbox) -> list[str]:
@@ -373,38 +368,63 @@ def test_a_code_task_is_one_turn_verified_in_the_code_image(rig, body, outcome):
 
 
 # -- the turn-synchronous path ---------------------------------------------------------------
-def test_collect_batches_turns_and_seeds_groups(rig, tmp_path):
+def job_seed(seed: int, step: int, group: int, sample: int, attempt: int = 0) -> int:
+    """An attempt's seed in ``collect``: the scheduler's job seed, on a base drawn from (seed, step)."""
+    base = (seed * 7919 + step * 10_007) % 2**31
+    return (base * 1_000_003 + group * 101 + sample * 7 + attempt * 7919) % 2**31
+
+
+def by_seed(replies: dict[int, list]) -> object:
+    """A script answering each episode by the seed of its first turn (turn t asks with seed + 7919 t):
+    episodes run concurrently, so the order of their first requests is not theirs to fix."""
+
+    def answer(episode: int, turn: int, request) -> object:
+        return replies[request.seed - 7919 * turn][turn]
+
+    return answer
+
+
+def test_collect_runs_each_episode_with_its_jobs_seed(rig, tmp_path):
     a, b = terminal_task(tmp_path, task_id="tb/a"), terminal_task(tmp_path, task_id="tb/b")
-    # Episodes in order: a/0, a/1, b/0, b/1 (tasks, then sample index). a's agents solve it; b's give up.
-    r = rig(per_episode([[HELLO, DONE], [HELLO, DONE], [DONE], [DONE]]), group_size=2, seed=5)
+    # a's agents solve it; b's give up. Group g, sample i at step 3 with base seed 5: job_seed(5, 3, g, i).
+    seeds = {(g, i): job_seed(5, 3, g, i) for g in (0, 1) for i in (0, 1)}
+    r = rig(by_seed({seeds[0, 0]: [HELLO, DONE], seeds[0, 1]: [HELLO, DONE], seeds[1, 0]: [DONE], seeds[1, 1]: [DONE]}),
+            group_size=2, seed=5)
     progress = []
     rows = r.collect([a, b], on_progress=lambda done, total: progress.append((done, total)))
     assert [(x["group_id"], x["sample_index"], x["attempt"]) for x in rows] == [
         ("run/3/tb/a", 0, 0), ("run/3/tb/a", 1, 0), ("run/3/tb/b", 0, 0), ("run/3/tb/b", 1, 0)]
     assert [x["outcome"] for x in rows] == ["success", "success", "model_failure", "model_failure"]
-    # Seed of group g, sample i at step 3 with base seed 5: 5 * 1_000_003 + 3 * 10_007 + 101 g + i.
-    base = 5 * 1_000_003 + 3 * 10_007
-    assert [x["seed"] for x in rows] == [base, base + 1, base + 101, base + 102]
-    # One engine call per turn with every live episode: 4 at turn 1, then a's 2 (b's said DONE).
-    assert r.engine.calls == [4, 2]
-    assert [x.request.seed for x in r.engine.received] == [base, base + 1, base + 101, base + 102,
-                                                           base + 7919, base + 1 + 7919]
-    assert progress == [(2, 4), (4, 4)]
+    assert [x["seed"] for x in rows] == [seeds[0, 0], seeds[0, 1], seeds[1, 0], seeds[1, 1]]
+    # every turn is its own request (the engines batch concurrent episodes): a's 2 turns each, b's 1
+    assert r.engine.calls == [1] * 6
+    assert sorted(x.request.seed for x in r.engine.received) == sorted(
+        [*seeds.values(), seeds[0, 0] + 7919, seeds[0, 1] + 7919])
+    assert progress[0] == (0, 2) and progress[-1] == (2, 2)
     assert r.sandboxes.starts == 4 and r.sandboxes.sweeps == 1
     assert_all_closed(r.sandboxes)
 
 
+def test_collect_seeds_differ_across_steps_and_first_group(rig, tmp_path):
+    task = terminal_task(tmp_path)
+    seeds = [rig([DONE]).collect([task], step=step, first_group=g)[0]["seed"] for step, g in ((3, 0), (4, 0), (3, 1))]
+    assert seeds == [job_seed(0, 3, 0, 0), job_seed(0, 4, 0, 0), job_seed(0, 3, 1, 0)] and len(set(seeds)) == 3
+
+
 def collect_with_first_sandbox_vanishing(rig, tmp_path) -> tuple[Rig, list[dict]]:
-    """G = 2; episode 0 (sample 0, attempt 0) loses its container under its first command."""
+    """G = 2; sample 0's first attempt loses its container under its first command."""
     holder: dict[str, ScriptedEngine] = {}
+    doomed = job_seed(0, 3, 0, 0)
 
     def exec_fn(box, command):
-        if box.labels["agentrl.episode"] == holder["engine"].episode_ids[0] and command.startswith("echo"):
+        first_seed = next(x.request.seed for x in holder["engine"].received
+                          if x.trajectory_id == box.labels["agentrl.episode"])
+        if first_seed == doomed and command.startswith("echo"):
             raise SandboxInfraError("container_vanished", "scripted")
         return world(box, command)
 
-    # Episodes by first request: sample 0 attempt 0, sample 1, then sample 0's retry (attempt 1).
-    r = rig(per_episode([[HELLO], [HELLO, DONE], [HELLO, DONE]]), exec_fn=exec_fn, group_size=2)
+    r = rig(by_seed({doomed: [HELLO], job_seed(0, 3, 0, 1): [HELLO, DONE], job_seed(0, 3, 0, 0, 1): [HELLO, DONE]}),
+            exec_fn=exec_fn, group_size=2)
     holder["engine"] = r.engine
     return r, r.collect([terminal_task(tmp_path)])
 
@@ -414,24 +434,20 @@ def test_collect_retries_an_infra_failure_as_a_new_attempt(rig, tmp_path):
     assert [(x["sample_index"], x["attempt"], x["outcome"], x["reason"]) for x in rows] == [
         (0, 0, "infra_failure", "container_vanished"), (0, 1, "success", "tests_passed"),
         (1, 0, "success", "tests_passed")]
-    assert rows[1]["seed"] == rows[0]["seed"] + 1  # the retry's seed: attempt a adds a
+    assert rows[1]["seed"] == job_seed(0, 3, 0, 0, attempt=1)  # the retry is a new job of the scheduler
     assert len({x["episode_id"] for x in rows}) == 3  # every attempt is its own episode
     assert r.sandboxes.wait_engine_calls == 1 and r.sandboxes.starts == 3
     assert_all_closed(r.sandboxes)
 
 
-@pytest.mark.xfail(strict=True, reason="collect retries sample i with seed + 1, which is sample i+1's seed: with the "
-                                       "same prompt the retry samples its sibling's first turn again")
 def test_a_retried_attempt_does_not_reuse_a_siblings_seed(rig, tmp_path):
     _, rows = collect_with_first_sandbox_vanishing(rig, tmp_path)
     final = [x["seed"] for x in rows if x["outcome"] != "infra_failure"]
     assert len(final) == 2 and len(set(final)) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="Collector.collect never calls engine.finish: a servers engine's router keeps "
-                                       "every sync/eval episode's affinity (Collector.run does call it)")
 def test_collect_finishes_every_trajectory_on_the_engine(rig, tmp_path):
-    r = rig(per_episode([[HELLO, DONE], [DONE]]), group_size=2)
+    r = rig(by_seed({job_seed(0, 3, 0, 0): [HELLO, DONE], job_seed(0, 3, 0, 1): [DONE]}), group_size=2)
     rows = r.collect([terminal_task(tmp_path)])
     assert sorted(r.engine.finished) == sorted(x["episode_id"] for x in rows)
 
