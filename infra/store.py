@@ -11,54 +11,72 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from infra.layout import RunLayout
 
-#: One row per episode. Invariants: ``token_ids``, ``loss_mask``, ``rollout_logprobs`` and
-#: ``policy_versions`` have equal length; ``loss_mask[i] == 1`` exactly for tokens the policy
-#: sampled; at positions with mask 0 the logprob is 0.0 and the policy version -1 (not produced
-#: by a policy). ``min/max_policy_version`` range over sampled tokens (-1 when none were sampled).
-TRAJECTORY_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("step", pa.int32()),
-    ("episode_id", pa.string()),
-    ("task_id", pa.string()),
-    ("group_id", pa.string()),
-    ("sample_index", pa.int32()),
-    ("attempt", pa.int32()),
-    ("token_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("rollout_logprobs", pa.list_(pa.float32())),
-    ("policy_versions", pa.list_(pa.int32())),
-    ("min_policy_version", pa.int32()),
-    ("max_policy_version", pa.int32()),
-    ("prompt_tokens", pa.int32()),
-    ("completion_tokens", pa.int32()),
-    ("reward", pa.float32()),
-    ("outcome", pa.string()),
-    ("reason", pa.string()),
-    ("stop_reason", pa.string()),
-    ("agent_end", pa.string()),
-    ("num_turns", pa.int32()),
-    ("commands", pa.list_(pa.string())),
-    ("image", pa.string()),
-    ("image_digest", pa.string()),
-    ("seed", pa.int64()),
-    ("temperature", pa.float32()),
-    ("top_p", pa.float32()),
-    ("max_tokens", pa.int32()),
-    ("queue_s", pa.float64()),
-    ("sandbox_acquire_s", pa.float64()),
-    ("generation_s", pa.float64()),
-    ("tool_s", pa.float64()),
-    ("verify_s", pa.float64()),
-    ("engine_replica", pa.string()),
-    ("sandbox_id", pa.string()),
-    ("sandbox_warm", pa.bool_()),
-])
+
+def _column(arrow_type: pa.DataType):
+    return field(metadata={"arrow": arrow_type})
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One episode as stored: one Parquet row. The columns and their Arrow types are declared here only.
+
+    Invariants (``T`` = ``len(token_ids)``): ``token_ids``, ``loss_mask``, ``rollout_logprobs`` and
+    ``policy_versions`` have length T; ``loss_mask[i] == 1`` exactly for tokens the policy sampled;
+    where it is 0 the logprob is 0.0 and the policy version -1 (not produced by a policy);
+    ``min/max_policy_version`` range over sampled tokens (-1 when none were sampled).
+    """
+
+    run_id: str = _column(pa.string())  # the run
+    step: int = _column(pa.int32())  # training step the rollouts were collected for
+    episode_id: str = _column(pa.string())  # this attempt
+    task_id: str = _column(pa.string())
+    group_id: str = _column(pa.string())  # GRPO siblings share it
+    sample_index: int = _column(pa.int32())  # index within the group
+    attempt: int = _column(pa.int32())  # 0, then 1.. for infra retries
+    token_ids: list[int] = _column(pa.list_(pa.int32()))  # every token as sent and sampled (T)
+    loss_mask: list[int] = _column(pa.list_(pa.int8()))  # 1 exactly on sampled tokens (T)
+    rollout_logprobs: list[float] = _column(pa.list_(pa.float32()))  # sampling logprobs; 0.0 where not sampled (T)
+    policy_versions: list[int] = _column(pa.list_(pa.int32()))  # sampling version per token; -1 if not sampled (T)
+    min_policy_version: int = _column(pa.int32())  # over sampled tokens; -1 when none
+    max_policy_version: int = _column(pa.int32())
+    prompt_tokens: int = _column(pa.int32())  # the opening prompt's length
+    completion_tokens: int = _column(pa.int32())  # sampled tokens
+    reward: float = _column(pa.float32())
+    outcome: str = _column(pa.string())  # an ``envs.task.Outcome``
+    reason: str = _column(pa.string())  # reason code
+    stop_reason: str = _column(pa.string())  # of the last turn: stop or length
+    agent_end: str = _column(pa.string())  # done, max_turns, agent_timeout, context_full, ...
+    num_turns: int = _column(pa.int32())
+    commands: list[str] = _column(pa.list_(pa.string()))  # what a replay runs
+    image: str = _column(pa.string())
+    image_digest: str = _column(pa.string())
+    seed: int = _column(pa.int64())
+    temperature: float = _column(pa.float32())
+    top_p: float = _column(pa.float32())
+    max_tokens: int = _column(pa.int32())  # per turn
+    queue_s: float = _column(pa.float64())
+    sandbox_acquire_s: float = _column(pa.float64())
+    generation_s: float = _column(pa.float64())
+    tool_s: float = _column(pa.float64())
+    verify_s: float = _column(pa.float64())
+    engine_replica: str = _column(pa.string())
+    sandbox_id: str = _column(pa.string())
+    sandbox_warm: bool = _column(pa.bool_())  # the sandbox came from the warm pool
+
+    def row(self) -> dict:
+        """As a row dict (``write_step`` input; what ``read_step(...).to_pylist()`` gives back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+TRAJECTORY_SCHEMA = pa.schema([(f.name, f.metadata["arrow"]) for f in fields(Trajectory)])
+"""The Arrow schema of :class:`Trajectory`, enforced on write and read."""
 _PER_TOKEN = ("loss_mask", "rollout_logprobs", "policy_versions")
 
 
