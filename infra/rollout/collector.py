@@ -35,7 +35,7 @@ from infra.rollout.scheduler import AsyncCollector, EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
-from infra.store import TRAJECTORY_SCHEMA, Trajectory
+from infra.store import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,7 @@ class Collector:
             sched.close()
         if self.backend.sweep_leftovers() and self.backend.wait_engine(60.0):
             self.backend.sweep_leftovers()
-        columns = set(TRAJECTORY_SCHEMA.names)  # the scheduler's bookkeeping (finished_s, episode_s) stays out
-        rows = [{k: v for k, v in r.items() if k in columns} for r in batch.rows]
-        return sorted(rows, key=lambda r: (r["group_id"], r["sample_index"], r["attempt"]))
+        return sorted(batch.rows, key=lambda r: (r["group_id"], r["sample_index"], r["attempt"]))
 
     def bind(self, run_id: str, step: int, images: dict[str, tuple[str, str]]) -> None:
         """Set what rows of episodes launched from now on record: run id, step, task images."""

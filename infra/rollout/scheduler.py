@@ -83,19 +83,34 @@ class EpisodeRunner(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One finished attempt: the runner's row, and beside it the scheduler's timings (collector clock, s)."""
+
+    row: dict
+    finished_s: float
+    episode_s: float  # launch to finish
+    queue_s: float = 0.0  # submitted to launched
+
+
 @dataclass
 class Group:
-    """One task's G siblings as they finish. ``rows`` holds every attempt (retries included)."""
+    """One task's G siblings as they finish. ``attempts`` holds every attempt (retries included)."""
 
     group_id: str
     task: Any
     launch_index: int
     group_size: int
     launched_s: float
-    final: dict[int, dict] = field(default_factory=dict)
-    rows: list[dict] = field(default_factory=list)
+    final: dict[int, Attempt] = field(default_factory=dict)
+    attempts: list[Attempt] = field(default_factory=list)
     completed_s: float = 0.0
     dropped: str = ""
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every attempt's row, in finishing order."""
+        return [a.row for a in self.attempts]
 
     @property
     def complete(self) -> bool:
@@ -105,12 +120,12 @@ class Group:
     @property
     def min_policy_version(self) -> int:
         """Oldest policy version that produced any token of the group's final rows (-1: none sampled)."""
-        versions = [r["min_policy_version"] for r in self.final.values() if r["min_policy_version"] >= 0]
+        versions = [a.row["min_policy_version"] for a in self.final.values() if a.row["min_policy_version"] >= 0]
         return min(versions) if versions else -1
 
     def final_rows(self) -> list[dict]:
         """The G final rows, by sample index."""
-        return [self.final[i] for i in sorted(self.final)]
+        return [self.final[i].row for i in sorted(self.final)]
 
 
 class ReadyBank:
@@ -184,6 +199,11 @@ class BatchResult:
     rows: list[dict]
     dropped: list[Group]
     metrics: dict[str, float]
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        """Every attempt of the batch's groups with its timings, group by group (``rows`` in the same order)."""
+        return [a for g in self.groups for a in g.attempts]
 
     def train_rows(self) -> list[dict]:
         """The batch's final rows, group by group."""
@@ -503,10 +523,7 @@ class AsyncCollector:
         if self._running.pop(id(job), None) is None:  # a late result of a cancelled attempt
             return
         try:
-            row.setdefault("finished_s", finished_s)
-            row["episode_s"] = finished_s - job.launched_s
-            row["episode_queue_s"] = job.launched_s - job.queued_s
-            self._finished(job, row)
+            self._finished(job, Attempt(row, finished_s, finished_s - job.launched_s, job.launched_s - job.queued_s))
         except Exception:  # noqa: BLE001 - a bad row must not leave its group waiting forever
             self._drop_after_error(job, "processing a result")
 
@@ -518,8 +535,7 @@ class AsyncCollector:
             self.counters["deadline_cancels"] += 1
             try:
                 row = self.runner.failed_row(job, "episode_deadline")
-                row["finished_s"], row["episode_s"] = now, now - job.launched_s
-                self._finished(job, row)
+                self._finished(job, Attempt(row, now, now - job.launched_s, job.launched_s - job.queued_s))
             except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
                 self._drop_after_error(job, "recording a deadline")
 
@@ -530,11 +546,12 @@ class AsyncCollector:
         if g is not None:
             self._drop(g, "infra_failure:harness_error")
 
-    def _finished(self, job: EpisodeJob, row: dict) -> None:
+    def _finished(self, job: EpisodeJob, attempt: Attempt) -> None:
         g = self._groups.get(job.group_id)
         if g is None:  # the group was dropped meanwhile
             return
-        g.rows.append(row)
+        g.attempts.append(attempt)
+        row = attempt.row
         if row["outcome"] == "infra_failure":
             if self.infra_policy == "retry" and job.attempt < self.max_retries:
                 self.counters["infra_retries"] += 1
@@ -542,9 +559,9 @@ class AsyncCollector:
             else:
                 self._drop(g, f"infra_failure:{row['reason']}")
             return
-        g.final[job.sample_index] = row
+        g.final[job.sample_index] = attempt
         if g.complete:
-            g.completed_s = row["finished_s"]
+            g.completed_s = attempt.finished_s
             del self._groups[g.group_id]
             self.bank.put(g)
 
@@ -559,9 +576,9 @@ class AsyncCollector:
 
     def _metrics(self, groups: list[Group], start: float, end: float, carried_in: int,
                  counters0: Counter) -> dict[str, float]:
-        rows = [r for g in groups for r in g.final_rows()]
-        episode_s = sorted(r["episode_s"] for r in rows)
-        done = sorted(max(r["finished_s"], start) for r in rows)
+        final = [g.final[i] for g in groups for i in sorted(g.final)]
+        episode_s = sorted(a.episode_s for a in final)
+        done = sorted(max(a.finished_s, start) for a in final)
         at90 = done[max(0, math.ceil(0.9 * len(done)) - 1)] if done else start
 
         def q(p: float) -> float:

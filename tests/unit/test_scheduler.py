@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from infra.rollout.scheduler import AsyncCollector, EpisodeJob, Group, ReadyBank
+from infra.rollout.scheduler import AsyncCollector, Attempt, EpisodeJob, Group, ReadyBank
 
 
 class ScriptedRunner:
@@ -99,7 +99,7 @@ def test_lag_bound_drops_stale_groups_and_histograms_the_rest():
     bank = ReadyBank(max_policy_lag=1)
     for gid, version in [("v0", 0), ("v1", 1), ("v2", 2)]:
         g = Group(gid, None, 0, 1, 0.0)
-        g.final[0] = {"min_policy_version": version}
+        g.final[0] = Attempt({"min_policy_version": version}, 0.0, 0.0)
         bank.put(g)
     taken = bank.take(3, current_version=2)
     assert [g.group_id for g in taken] == ["v1", "v2"]

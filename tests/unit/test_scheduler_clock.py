@@ -102,7 +102,7 @@ def test_wall_time_past_the_deadline_cancels_nothing(make):
     threading.Event().wait(0.2)  # 20 deadlines of wall time; the collector's clock has not moved
     runner.release("g", 0, 0)
     batch = next_batch(c, 1)
-    assert [(r["outcome"], r["episode_s"]) for r in batch.rows] == [("success", 0.0)]
+    assert [(a.row["outcome"], a.episode_s) for a in batch.attempts] == [("success", 0.0)]
     assert batch.metrics["deadline_cancels"] == 0 and batch.metrics["time_to_batch_s"] == 0.0
 
 
@@ -121,7 +121,7 @@ def test_an_attempt_is_cancelled_only_once_the_clock_is_past_its_deadline(make):
     clock.advance(2.0)
     runner.release("b", 0, 1)  # the retry finishes at t = 12.5, 2 s after its launch
     second = next_batch(c, 1)
-    assert [(r["attempt"], r["outcome"], r["reason"], r["episode_s"]) for r in second.rows] == [
+    assert [(a.row["attempt"], a.row["outcome"], a.row["reason"], a.episode_s) for a in second.attempts] == [
         (0, "infra_failure", "episode_deadline", 10.5), (1, "success", "tests_passed", 2.0)]
     assert (c.counters["deadline_cancels"], c.counters["infra_retries"]) == (1, 1)
 
@@ -154,7 +154,7 @@ def test_the_deadline_runs_from_launch_not_from_queueing(make):
     clock.advance(7.0)  # t = 15: 15 s since b was queued, but only 7 s since its launch
     runner.release("b", 0, 0)
     batch = next_batch(c, 2)
-    got = {r["group_id"]: (r["episode_queue_s"], r["episode_s"], r["finished_s"]) for r in batch.rows}
+    got = {a.row["group_id"]: (a.queue_s, a.episode_s, a.finished_s) for a in batch.attempts}
     assert got == {"a": (0.0, 8.0, T0 + 8.0), "b": (8.0, 7.0, T0 + 15.0)}
     assert batch.metrics["deadline_cancels"] == 0 and batch.metrics["episode_s_max"] == 8.0
 
@@ -188,5 +188,5 @@ def test_update_weights_reports_the_wait_and_the_apply_on_the_clock(make):
     threading.Timer(0.05, finish_later).start()
     waited = c.update_weights(lambda: clock.advance(2.5), 1)  # loading the weights takes 2.5 s
     assert waited == 3.0 + 2.5 and c.policy_version == 1
-    [row] = next_batch(c, 1).rows
-    assert (row["min_policy_version"], row["finished_s"]) == (0, T0 + 3.0)  # finished on v0 before the apply
+    [attempt] = next_batch(c, 1).attempts
+    assert (attempt.row["min_policy_version"], attempt.finished_s) == (0, T0 + 3.0)  # finished on v0 before the apply
