@@ -13,13 +13,9 @@ the sandbox.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from typing import TYPE_CHECKING
 
-from envs.task import Outcome, TerminalTask, Verdict
+from envs.task import Outcome, Task, TerminalTask, Verdict
 from infra.sandbox.base import Sandbox
-
-if TYPE_CHECKING:
-    from envs.humaneval import CodeTask
 
 __all__ = ["Verdict", "junit_verdict", "parse_reward", "verify_code", "verify_harbor", "verify_terminal"]
 
@@ -133,7 +129,7 @@ def verify_harbor(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     return Verdict(reward, Outcome.MODEL_FAILURE, "tests_failed", log)
 
 
-def verify_code(sandbox: Sandbox, task: CodeTask, program: str) -> Verdict:
+def verify_code(sandbox: Sandbox, task: Task, program: str) -> Verdict:
     """Run ``program`` (code plus the problem's ``check``) with python3 in the sandbox.
 
     Exit 0 passes, any other exit fails the tests; a run past the verifier timeout is a
