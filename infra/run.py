@@ -2,10 +2,11 @@
 
 ``with Run.open(config) as run:`` checks the run's inputs once (:func:`infra.preflight.preflight`)
 and connects to storage; what the stages share is built on first use: the sandbox backend, the
-warm pool, the rollout engine (in-process vLLM or vLLM servers), the trainer and the asynchronous
-collector. Leaving the block closes every one of them, also when the flow fails (and at process
-exit if the block was never left). The run owns the served :class:`Policy`; :meth:`Run.serve` is
-its one writer and the one path by which weights reach the engine during a run. No Prefect here.
+warm pool, the rollout engine (in-process vLLM or vLLM servers, by the type of ``config.engine``),
+the trainer and the asynchronous collector. Leaving the block closes every one of them, also when
+the flow fails (and at process exit if the block was never left). The run owns the served
+:class:`Policy`; :meth:`Run.serve` is its one writer and the one path by which weights reach the
+engine during a run. No Prefect here.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import assert_never
 
 from envs.task import Task
-from infra.config import RunConfig
+from infra.config import AsyncScheduler, InprocEngine, RunConfig, ServersEngine
 from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
 from infra.layout import RunLayout
 from infra.preflight import preflight
@@ -185,26 +187,29 @@ class Run:
             RuntimeError: no local folder holds the served policy's weights to start from.
         """
         if self._engine is None:
-            m, r = self.config.model, self.config.rollout
+            m, seed = self.config.model, self.config.rollout.seed
             if not self._policy.weights_dir:
                 raise RuntimeError(f"run {self.config.run_id}: no weights folder to start the engine from "
                                    "(call resume() first)")
-            if r.engine == "servers":
-                from transformers import AutoTokenizer
+            match self.config.engine:
+                case ServersEngine() as e:
+                    from transformers import AutoTokenizer
 
-                from infra.rollout.servers import ServerEngine, start_servers
+                    from infra.rollout.servers import ServerEngine, start_servers
 
-                servers = start_servers(self._policy.weights_dir, r.servers, self.layout.work / "vllm-logs",
-                                        dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
-                                        seed=r.seed, threads=r.server_threads)
-                self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
-                                            r.routing, policy_version=self._policy.version, owns_servers=True)
-            else:
-                from infra.rollout.engine import VLLMEngine
+                    servers = start_servers(self._policy.weights_dir, e.count, self.layout.work / "vllm-logs",
+                                            dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
+                                            seed=seed, threads=e.threads)
+                    self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
+                                                e.routing, policy_version=self._policy.version, owns_servers=True)
+                case InprocEngine():
+                    from infra.rollout.engine import VLLMEngine
 
-                self._engine = VLLMEngine(self._policy.weights_dir, dtype=dtype, max_model_len=m.max_model_len,
-                                          kv_cache_gib=m.kv_cache_gib, seed=r.seed,
-                                          policy_version=self._policy.version)
+                    self._engine = VLLMEngine(self._policy.weights_dir, dtype=dtype, max_model_len=m.max_model_len,
+                                              kv_cache_gib=m.kv_cache_gib, seed=seed,
+                                              policy_version=self._policy.version)
+                case other:
+                    assert_never(other)
         return self._engine
 
     @property
@@ -258,17 +263,24 @@ class Run:
 
     @property
     def collector(self):
-        """The asynchronous collector (one per run; groups carry across steps in it)."""
+        """The asynchronous collector (one per run; groups carry across steps in it).
+
+        Raises:
+            RuntimeError: ``rollout.scheduler`` is not ``kind = "async"``.
+        """
         if self._collector is None:
             from infra.rollout.scheduler import AsyncCollector
 
-            r = self.config.rollout
+            r, s = self.config.rollout, self.config.rollout.scheduler
+            if not isinstance(s, AsyncScheduler):
+                raise RuntimeError(f"run {self.config.run_id}: rollout.scheduler.kind = {s.kind!r} has no "
+                                   "asynchronous collector")
             self._collector = AsyncCollector(
                 self.episode_runner(), group_size=r.group_size,
-                max_groups_in_flight=math.ceil(r.tasks_per_step * r.overprovision),
-                max_concurrent_episodes=r.max_concurrent_episodes, max_policy_lag=r.max_policy_lag,
-                episode_deadline_s=r.episode_deadline_s, infra_policy=r.infra_policy,
-                max_infra_retries=r.max_infra_retries, update_policy=r.update_policy, prefetch=r.prefetch,
+                max_groups_in_flight=math.ceil(r.tasks_per_step * s.overprovision),
+                max_concurrent_episodes=s.max_concurrent_episodes, max_policy_lag=s.max_policy_lag,
+                episode_deadline_s=s.episode_deadline_s, infra_policy=s.infra_policy,
+                max_infra_retries=r.max_infra_retries, update_policy=s.update_policy, prefetch=s.prefetch,
                 policy_version=self._policy.version, seed=r.seed)
         return self._collector
 

@@ -73,7 +73,7 @@ class TrainStats:
 
 @dataclass(frozen=True)
 class PublishResult:
-    """A version's way to the engine (``publish.pattern``).
+    """A version's way to the engine (``pattern``: the ``publish.kind``).
 
     ``version``: served after it (the old one when ``refused``); ``latency_s``: trainer done → engine
     serves it; ``pause_s``: engine served nothing; ``transfer_s``: fetch/pull/copy; ``upload_wait_s``:

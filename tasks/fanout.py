@@ -1,10 +1,10 @@
 """Fan a step's rollout collection out to workers: one Prefect task per group, run by a task runner (Ray).
 
-Each worker builds its own HTTP client to the run's vLLM OpenAI servers (``rollout.engine =
-"servers"``) and its own Docker client, collects one group (G attempts), and returns the rows; the
-flow stores them as the step's Parquet file. With ``prefect_ray.RayTaskRunner`` the groups run as
-Ray tasks, on a local Ray instance (started for the run) or an existing cluster (``ray_address``).
-Workers need the project importable, a dockerd, and the servers' URLs reachable.
+Each worker builds its own HTTP client to the run's vLLM OpenAI servers (``engine.kind = "servers"``,
+routed by its ``routing``) and its own Docker client, collects one group (G attempts), and returns
+the rows; the flow stores them as the step's Parquet file. With ``prefect_ray.RayTaskRunner`` the
+groups run as Ray tasks, on a local Ray instance (started for the run) or an existing cluster
+(``ray_address``). Workers need the project importable, a dockerd, and the servers' URLs reachable.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
                   step: int, images: dict[str, tuple[str, str]]) -> dict:
     """One group on a fan-out worker: ``{"rows": its rows (retries included, as Collector.collect), "pid"}``.
 
-    ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines.
+    ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines;
+    ``config.engine`` is a ``ServersEngine`` (its ``routing`` applies).
     """
     from transformers import AutoTokenizer
 
@@ -35,7 +36,7 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
 
     r = config.rollout
     handles = [RemoteServer(**s) for s in servers]
-    engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), r.routing,
+    engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
                           policy_version=policy_version)
     try:
         collector = Collector(engine, DockerBackend(), CollectSettings.of(r), code_image=BASE_IMAGE)

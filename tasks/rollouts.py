@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
+from typing import assert_never
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.assets import add_asset_metadata
 
+from infra.config import AsyncScheduler, SyncScheduler
 from infra.environments import BASE_IMAGE
 from infra.run import Run
 from infra.store import TRAJECTORY_SCHEMA, write_step
@@ -28,11 +30,11 @@ def collect_rollouts(run: Run, task_ids: list[str], step: int) -> RolloutStats:
     reuses them; :func:`rollouts_for_step` checks the stored file before trusting it. A failed
     collection is not served back (Prefect persists failures at random keys, not the templated one).
 
-    ``rollout.scheduler="async"`` (default): the run's :class:`~infra.rollout.scheduler.AsyncCollector`
+    ``rollout.scheduler`` of kind ``async`` (default): the run's :class:`~infra.rollout.scheduler.AsyncCollector`
     keeps up to ``ceil(tasks_per_step * overprovision)`` groups in flight; the chosen tasks (then, to
     fill that bound, extra groups of the same tasks) are submitted, and the first complete eligible
     groups form the batch, whatever step launched them. Groups dropped meanwhile (stale, or infra
-    policy) are written to ``dropped/step-N.parquet``, never trained on. ``sync``: one
+    policy) are written to ``dropped/step-N.parquet``, never trained on. Kind ``sync``: one
     turn-synchronous batch of exactly the chosen groups.
 
     Run as a materializing task (:func:`rollouts_for_step` gives it the trajectory asset and the image
@@ -47,11 +49,14 @@ def collect_rollouts(run: Run, task_ids: list[str], step: int) -> RolloutStats:
 
     dropped_rows: list[dict] = []
     scheduling: dict = {}
-    if run.config.rollout.scheduler == "sync":
-        rows = run.episode_runner().collect(run.config.run_id, step, [run.tasks[t] for t in task_ids], images,
-                                            on_progress)
-    else:
-        rows, dropped_rows, scheduling = _collect_async(run, images, task_ids, step, on_progress)
+    match run.config.rollout.scheduler:
+        case SyncScheduler():
+            rows = run.episode_runner().collect(run.config.run_id, step, [run.tasks[t] for t in task_ids], images,
+                                                on_progress)
+        case AsyncScheduler():
+            rows, dropped_rows, scheduling = _collect_async(run, images, task_ids, step, on_progress)
+        case other:
+            assert_never(other)
     update_progress_artifact(progress, 100.0)
     return store_step(run, step, rows, dropped_rows, scheduling, time.monotonic() - start)
 

@@ -1,4 +1,4 @@
-"""Weight publication: one protocol, three patterns for getting a trained version into the rollout engine.
+"""Weight publication: three patterns (``publish.kind``) for getting a trained version into the rollout engine.
 
 - ``storage``: checkpoint files and a manifest go to S3 (manifest last); the engine fetches them,
   verifies every file's size and sha256 against the manifest, and hot-loads.
@@ -14,7 +14,7 @@
 Every pattern reports the **publication latency** (trainer step done → weights usable by the
 engine) apart from the **apply pause** (the time the engine serves nothing). A checkpoint that
 fails verification is refused: the engine keeps serving the version it has and the refusal is
-returned (``"refused"`` in the load result of ``tasks.publish``).
+returned (``"refused"`` in the load result of ``tasks.publish``, where each pattern's tasks live).
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ import http.server
 import shutil
 import threading
 from pathlib import Path
-from typing import Literal
 
 from infra.checkpoint import CheckpointError, sha256_file
-
-PublishPattern = Literal["storage", "direct", "colocated"]
-PATTERNS: tuple[str, ...] = ("storage", "direct", "colocated")
 
 
 class DirectSource:

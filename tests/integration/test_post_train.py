@@ -12,7 +12,7 @@ import docker
 import httpx
 import pytest
 
-from infra.config import EvalConfig, ModelConfig, PublishConfig, RolloutConfig, RunConfig, TaskSetConfig
+from infra.config import ColocatedPublish, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TaskSetConfig
 from infra.store import TRAJECTORY_SCHEMA, read_step
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,7 @@ def finished_run(tiny_model, s3, prefect_harness):
                             task_sets=["envs/harbor"]),
         rollout=RolloutConfig(tasks_per_step=3, group_size=2, max_tokens_per_turn=24, max_turns=2),
         eval=EvalConfig(max_tokens=24),
-        publish=PublishConfig(pattern="colocated"),  # storage: test_resume.py and the quickstart
+        publish=ColocatedPublish(),  # storage: test_resume.py and the quickstart
     )
     summaries = post_train(config)
     return config, summaries

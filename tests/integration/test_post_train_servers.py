@@ -6,7 +6,16 @@ import uuid
 
 import pytest
 
-from infra.config import EvalConfig, ModelConfig, PublishConfig, RolloutConfig, RunConfig, TaskSetConfig
+from infra.config import (
+    ColocatedPublish,
+    DirectPublish,
+    EvalConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    ServersEngine,
+    TaskSetConfig,
+)
 from infra.store import read_step
 
 pytestmark = pytest.mark.integration
@@ -35,9 +44,9 @@ def test_post_train_on_two_servers_with_direct_publication(tiny_model, s3, prefe
         run_id=f"srv-{uuid.uuid4().hex[:8]}", steps=1,
         model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
         tasks=TaskSetConfig(terminal_eval_ids=["make-dir"], humaneval_train=1, humaneval_eval=0),
-        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=2,
-                              engine="servers", servers=2),
-        eval=EvalConfig(max_tokens=16), publish=PublishConfig(pattern="direct"),
+        engine=ServersEngine(count=2),
+        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=2),
+        eval=EvalConfig(max_tokens=16), publish=DirectPublish(),
     )
     engine = engine_at_close(monkeypatch)
     try:
@@ -59,5 +68,5 @@ def test_post_train_on_two_servers_with_direct_publication(tiny_model, s3, prefe
 
 
 def test_colocated_with_servers_is_refused():
-    with pytest.raises(ValueError, match="colocated.*needs rollout.engine"):
-        RunConfig(rollout=RolloutConfig(engine="servers"), publish=PublishConfig(pattern="colocated"))
+    with pytest.raises(ValueError, match="colocated.*needs engine.kind"):
+        RunConfig(engine=ServersEngine(), publish=ColocatedPublish())

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from infra.config import EvalConfig, ModelConfig, RolloutConfig, RunConfig, TaskSetConfig
+from infra.config import EvalConfig, InprocEngine, ModelConfig, RolloutConfig, RunConfig, ServersEngine, TaskSetConfig
 from infra.store import read_step
 
 pytestmark = pytest.mark.integration
@@ -26,12 +26,12 @@ def test_collect_rollouts_fans_out_groups_on_ray(tiny_model, s3, prefect_harness
         run_id=f"ray-{uuid.uuid4().hex[:8]}", steps=1,
         model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
         tasks=TaskSetConfig(terminal_dir=str(terminal), humaneval_train=1, humaneval_eval=0),
-        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1,
-                              engine="servers", servers=1),
+        engine=ServersEngine(count=1),
+        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
         eval=EvalConfig(enabled=False),
     )
-    with pytest.raises(ValueError, match="needs rollout.engine"):
-        collect_rollouts(config.model_copy(update={"rollout": RolloutConfig()}), step=0, fan_out="ray")
+    with pytest.raises(ValueError, match="needs engine.kind"):
+        collect_rollouts(config.model_copy(update={"engine": InprocEngine()}), step=0, fan_out="ray")
     engine = engine_at_close(monkeypatch)
     build_envs(config)
     result = collect_rollouts(config, step=0, fan_out="ray")

@@ -1,4 +1,4 @@
-"""Run configs: every shipped config parses; bad ones get errors naming file and field."""
+"""Run configs: every shipped config parses; bad ones get errors naming file and field; backends chosen by kind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, RunConfig, load_config
+from infra.config import (
+    AsyncScheduler,
+    ColocatedPublish,
+    ConfigError,
+    DirectPublish,
+    InprocEngine,
+    RunConfig,
+    ServersEngine,
+    StoragePublish,
+    SyncScheduler,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
@@ -29,11 +40,13 @@ def test_unknown_key_is_named(tmp_path):
 
 def test_cross_field_error_names_the_fields(tmp_path):
     p = tmp_path / "bad.toml"
-    p.write_text('[publish]\npattern = "colocated"\n[rollout]\nengine = "servers"\n')
+    p.write_text('[publish]\nkind = "colocated"\n[engine]\nkind = "servers"\n')
     with pytest.raises(ConfigError) as e:
         load_config(p)
     msg = str(e.value)
-    assert msg.startswith(f"{p}: publish.pattern = \"colocated\" needs rollout.engine") and "''" not in msg
+    assert msg.startswith(f"{p}: publish.kind = \"colocated\" needs engine.kind = \"inproc\"") and "''" not in msg
+    with pytest.raises(ValueError, match="colocated.*needs engine.kind"):
+        RunConfig(engine=ServersEngine(), publish=ColocatedPublish())
     p.write_text("[eval]\nk = [5]\n")  # a check inside one table
     with pytest.raises(ConfigError) as e:
         load_config(p)
@@ -68,3 +81,81 @@ def test_overrides_apply_and_validate():
         load_config(CONFIGS[0], **{"rollout.sead": 7})
     with pytest.raises(ConfigError, match="run_id"):
         load_config(CONFIGS[0], run_id="has space")
+
+
+def test_a_config_that_sets_nothing_means_what_it_meant_before_the_unions():
+    # the flat fields' defaults before the change: engine "inproc", pattern "storage", scheduler "async"
+    c = RunConfig()
+    assert c.engine == InprocEngine() and c.publish == StoragePublish()
+    assert c.rollout.scheduler == AsyncScheduler(overprovision=1.0, prefetch=False, max_policy_lag=1,
+                                                 episode_deadline_s=900.0, infra_policy="retry",
+                                                 update_policy="pause", max_concurrent_episodes=16)
+    assert ServersEngine() == ServersEngine(count=2, threads=1, routing="affinity")
+    assert DirectPublish().host == "127.0.0.1"
+
+
+def test_each_kind_takes_its_own_keys(tmp_path):
+    p = tmp_path / "ok.toml"
+    p.write_text('[engine]\nkind = "servers"\ncount = 3\nrouting = "round_robin"\n'
+                 '[publish]\nkind = "direct"\nhost = "10.0.0.2"\n'
+                 '[rollout]\nscheduler = { kind = "async", overprovision = 1.5, prefetch = true }\n')
+    c = load_config(p)
+    assert c.engine == ServersEngine(count=3, threads=1, routing="round_robin")
+    assert c.publish == DirectPublish(host="10.0.0.2")
+    assert c.rollout.scheduler == AsyncScheduler(overprovision=1.5, prefetch=True)
+    p.write_text('[rollout.scheduler]\nkind = "sync"\n')
+    assert load_config(p).rollout.scheduler == SyncScheduler()
+    assert load_config(p, **{"engine.kind": "servers", "engine.count": 4}).engine == ServersEngine(count=4)
+
+
+def _error(tmp_path, text: str) -> str:
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    return str(e.value).replace(f"{p}: ", "bad.toml: ")
+
+
+def test_unknown_key_in_a_kind_lists_that_kinds_keys(tmp_path):
+    assert _error(tmp_path, '[engine]\nkind = "servers"\ncont = 2\n') == (
+        "bad.toml: unknown key 'engine.cont'; did you mean 'count'? "
+        'expected one of (engine, kind = "servers"): count, kind, routing, threads')
+    assert _error(tmp_path, '[engine]\nkind = "inproc"\ncount = 2\n') == (
+        "bad.toml: unknown key 'engine.count'; 'count' is a key of kind 'servers'; "
+        'expected one of (engine, kind = "inproc"): kind')
+    assert _error(tmp_path, '[rollout.scheduler]\nkind = "async"\nprefech = true\n').startswith(
+        "bad.toml: unknown key 'rollout.scheduler.prefech'; did you mean 'prefetch'? "
+        'expected one of (rollout.scheduler, kind = "async"): episode_deadline_s, infra_policy, kind,')
+
+
+def test_unknown_or_missing_kind_names_the_kinds(tmp_path):
+    assert _error(tmp_path, '[engine]\nkind = "server"\n') == (
+        "bad.toml: field 'engine.kind': unknown kind 'server'; did you mean 'servers'? "
+        "expected one of 'inproc', 'servers'")
+    assert _error(tmp_path, '[publish]\nkind = "s3"\n') == (
+        "bad.toml: field 'publish.kind': unknown kind 's3'; expected one of 'storage', 'direct', 'colocated'")
+    assert _error(tmp_path, "[engine]\ncount = 3\n") == (
+        "bad.toml: field 'engine.kind': missing; expected one of 'inproc', 'servers' "
+        "('count' is a key of kind 'servers')")
+
+
+def test_a_value_inside_a_kind_is_named_by_its_toml_field(tmp_path):
+    assert _error(tmp_path, '[engine]\nkind = "servers"\ncount = 0\n') == (
+        "bad.toml: field 'engine.count': Input should be greater than or equal to 1 (got 0)")
+    assert _error(tmp_path, "[rollout]\nscheduler = { kind = \"async\", update_policy = \"later\" }\n").startswith(
+        "bad.toml: field 'rollout.scheduler.update_policy': Input should be 'finish', 'pause' or 'abort'")
+
+
+def test_the_flat_keys_of_older_configs_say_where_they_went(tmp_path):
+    assert _error(tmp_path, '[rollout]\nscheduler = "sync"\n') == (
+        "bad.toml: field 'rollout.scheduler': expected a table with a kind, one of 'sync', 'async' "
+        "(e.g. rollout.scheduler = {kind = \"sync\"}), got 'sync'")
+    lines = _error(tmp_path, '[rollout]\nengine = "servers"\nservers = 3\nmax_policy_lag = 2\n').splitlines()
+    assert [line.split("; expected")[0] for line in lines] == [
+        "bad.toml: unknown key 'rollout.engine'; 'rollout.engine' moved to 'engine.kind'",
+        "bad.toml: unknown key 'rollout.servers'; 'rollout.servers' moved to 'engine.count'",
+        "bad.toml: unknown key 'rollout.max_policy_lag'; 'rollout.max_policy_lag' moved to "
+        "'rollout.scheduler.max_policy_lag'"]
+    assert _error(tmp_path, '[publish]\npattern = "direct"\n') == (
+        "bad.toml: field 'publish.kind': missing; expected one of 'storage', 'direct', 'colocated' "
+        "('publish.pattern' moved to 'publish.kind')")

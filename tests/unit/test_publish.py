@@ -1,4 +1,5 @@
-"""Direct-transfer source and pull: bytes verified against the manifest, bad ones refused (real HTTP, loopback)."""
+"""Direct-transfer source and pull: bytes verified against the manifest, bad ones refused (real HTTP, loopback);
+the publication is chosen by the type of the publish config."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def test_source_serves_only_its_own_files(export, tmp_path):
             assert _raw_get(source.url, path).startswith(b"HTTP/1.0 404"), path
         ok = _raw_get(source.url, "/config.json")
         assert ok.startswith(b"HTTP/1.0 200") and ok.endswith(b'{"a": 1}')
+
+
+def test_publication_follows_the_config_type():
+    from typing import get_args
+
+    from infra.config import ColocatedPublish, DirectPublish, PublishConfig, StoragePublish
+    from tasks.publish import publication_for
+    from tasks.publish.colocated import ColocatedPublication
+    from tasks.publish.direct import DirectPublication
+    from tasks.publish.storage import StoragePublication
+
+    expected = {StoragePublish: StoragePublication, DirectPublish: DirectPublication,
+                ColocatedPublish: ColocatedPublication}
+    assert set(expected) == set(get_args(get_args(PublishConfig)[0]))  # every kind of the union has one
+    for config_type, publication in expected.items():
+        assert type(publication_for(config_type())) is publication
+    assert publication_for(DirectPublish(host="10.0.0.2")).config.host == "10.0.0.2"
