@@ -312,13 +312,13 @@ class Run:
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close what was started: collector, engine (servers stopped), idle warm sandboxes. Idempotent."""
+        """Close what was started: collector, engine (servers stopped), trainer, idle warm sandboxes. Idempotent."""
         atexit.unregister(self.close)
         collector, self._collector = self._collector, None
         engine, self._engine = self._engine, None
+        trainer, self._trainer = self._trainer, None
         pool, self._pool = self._pool, None
-        self._trainer = None
-        for what, thing in (("collector", collector), ("engine", engine), ("warm pool", pool)):
+        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer), ("warm pool", pool)):
             if thing is None:
                 continue
             try:

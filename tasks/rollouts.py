@@ -14,7 +14,7 @@ from prefect.assets import add_asset_metadata
 from infra.config import AsyncScheduler, SyncScheduler
 from infra.environments import BASE_IMAGE
 from infra.run import Run
-from infra.store import TRAJECTORY_SCHEMA, write_step
+from infra.store import write_step
 from infra.summary import RolloutStats
 from tasks.lineage import as_asset
 
@@ -101,10 +101,9 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
         demand: Counter = Counter()
         for _, t in groups:  # code tasks are verified in the base image, which the catalog lists for them
             image = images.get(t.task_id, (BASE_IMAGE, ""))[0]
-            demand[(image, t.cpus, t.memory_mb, t.allow_internet, t.disk_mb)] += 1
-        for (image, cpus, memory_mb, network, disk_mb), n in demand.items():
-            run.pool.ensure(image, n * r.group_size, cpus=cpus, memory_mb=memory_mb, network=network,
-                            disk_mb=disk_mb)
+            demand[(image, t.limits)] += 1
+        for (image, limits), n in demand.items():
+            run.pool.ensure(image, n * r.group_size, **limits.kwargs())
     engine = run.engine
     tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
     cache0 = engine.prefix_cache()
@@ -120,12 +119,7 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
     metrics["prefix_cache_hit_rate"] = (cache["hits"] - cache0["hits"]) / queries if queries else 0.0
     metrics["groups_dropped"] = len(batch.dropped)
     metrics["groups_submitted"] = len(groups)
-    columns = set(TRAJECTORY_SCHEMA.names)  # the scheduler's own bookkeeping (finished_s, episode_s) stays out
-
-    def stored(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in row.items() if k in columns} for row in rows]
-
-    return stored(batch.rows), stored(dropped), metrics
+    return batch.rows, dropped, metrics
 
 
 def rollouts_for_step(run: Run, task_ids: list[str], step: int, deps: list[str]) -> RolloutStats:
