@@ -117,7 +117,11 @@ class StepSummary:
         return cls(step, selection, batch, trained, published, evaluated)
 
     def to_json(self) -> dict:
-        """The stored summary (``summaries/step-N.json``) and table row: flat keys, as stored before."""
+        """The stored summary (``summaries/step-N.json``).
+
+        The flat keys as stored since the first version (the table row, report and step line read
+        these), plus ``metrics`` (:meth:`metrics`).
+        """
         b, t, p, report = self.batch, self.trained, self.published, self.evaluated.report
         m = t.metrics
         out = {
@@ -143,23 +147,27 @@ class StepSummary:
         }
         out.update({k: round(b.scheduling[k], 3) for k in SCHEDULING_KEYS if k in b.scheduling})
         out["policy_lag_hist"] = b.policy_lag_hist
+        out["metrics"] = self.metrics()
         return out
 
     def metrics(self) -> dict[str, float]:
-        """Numeric figures by namespace: ``rollout/…``, ``train/…``, ``publish/…``, ``eval/…``, ``time/…``."""
-        b, t, p = self.batch, self.trained, self.published
-        out: dict[str, float] = {f"rollout/{k}": float(v) for k, v in asdict(b).items()
-                                 if isinstance(v, int | float) and k not in ("stage_s", "collected_at")}
-        out.update({f"rollout/{k}": float(v) for k, v in b.scheduling.items()})
-        out.update({f"rollout/outcome/{k}": float(v) for k, v in b.outcomes.items()})
-        out.update({f"train/{k}": float(v) for k, v in t.metrics.items()})
-        out.update({"train/policy_lag_max": t.policy_lag_max, "train/trainer_state_s": t.trainer_state_s})
-        out.update({f"publish/{k}": float(v) for k, v in asdict(p).items()
-                    if isinstance(v, int | float) and k != "stage_s"})
+        """Every numeric figure of the records, by namespace: a new field of a record appears here by itself.
+
+        ``rollout/…``, ``train/…``, ``publish/…``, ``eval/…``; ``time/<stage>_s`` from each record's ``stage_s``.
+        """
+        out: dict[str, float] = {}
+        for space, record in (("difficulty", self.selection), ("rollout", self.batch), ("train", self.trained),
+                              ("publish", self.published), ("eval", self.evaluated)):
+            for k, v in asdict(record).items():
+                if k == "stage_s":
+                    out[f"time/{space}_s"] = float(v)
+                elif isinstance(v, bool | int | float) and k != "collected_at":
+                    out[f"{space}/{k}"] = float(v)
+                elif isinstance(v, dict) and k in ("scheduling", "outcomes", "metrics"):
+                    prefix = f"{space}/" if k != "outcomes" else f"{space}/outcome/"
+                    out.update({f"{prefix}{kk}": float(vv) for kk, vv in v.items()})
         if self.evaluated.report:
             out.update({f"eval/pass_at_{k}": float(v) for k, v in self.evaluated.report["pass_at_k"].items()})
-        out.update({"time/difficulty_s": self.selection.stage_s, "time/rollout_s": b.stage_s,
-                    "time/train_s": t.stage_s, "time/publish_s": p.stage_s, "time/eval_s": self.evaluated.stage_s})
         return out
 
     def line(self) -> str:

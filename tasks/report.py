@@ -30,7 +30,7 @@ def record_step(run: Run, summary: StepSummary) -> list[dict]:
     fs.invalidate_cache()
     history = [json.loads(fs.cat_file(p)) for p in sorted(fs.glob(layout.summaries_glob))]
     create_table_artifact(key=artifact_key(run_id, "steps"),
-                          table=[{k: str(v) for k, v in x.items()} for x in history],
+                          table=[{k: str(v) for k, v in x.items() if k != "metrics"} for x in history],
                           description=f"post_train {run_id}: per-step summary")
     report = render_report(run_id, history)
     fs.pipe_file(layout.report, report.encode())

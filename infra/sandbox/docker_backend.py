@@ -324,8 +324,12 @@ class DockerSandbox:
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
 
-    def _alive(self) -> bool:
-        """The container is still running (one inspect)."""
+    def alive(self) -> bool:
+        """The container is still running (one inspect).
+
+        Raises:
+            SandboxInfraError: the inspect failed (container gone, engine unreachable).
+        """
         self._api("inspect", self._container.reload)
         return self._container.status == "running"
 
@@ -403,7 +407,7 @@ class DockerSandbox:
         duration_s = time.monotonic() - start
         exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
         # A SIGKILL (137) or no exit code may mean the container itself is gone: one inspect decides.
-        if exit_code in (137, -1) and not self._alive():
+        if exit_code in (137, -1) and not self.alive():
             raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         raw = self._api("read output", self._container.exec_run,
                         ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""

@@ -107,8 +107,7 @@ class WarmPool:
             if box is None:
                 break
             try:
-                box._api("inspect", box._container.reload)
-                if box._container.status == "running":
+                if box.alive():
                     break
             except SandboxInfraError:
                 pass

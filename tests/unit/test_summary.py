@@ -1,0 +1,73 @@
+"""StepSummary: one step's stage records rendered as the stored JSON, namespaced metrics and the step line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra.summary import EvalResult, PublishResult, RolloutStats, Selection, StepSummary, TrainStats
+
+# The flat keys every stored summary had before the records (flows/post_train.py at fd6c360), async collector.
+STORED_KEYS = {
+    "step", "time_to_batch_s", "reward_mean", "outcomes", "infra_reasons", "retried", "sandbox_warm",
+    "sandbox_acquire_p50_s", "rows", "rollouts_reused", "policy_lag_max", "logprob_abs_diff", "kl_k1", "kl_k3",
+    "ratio_p05", "ratio_p95", "tis_capped_frac", "tis_masked_frac", "rows_with_signal", "optimizer_step",
+    "trainer_state_s", "trainer_state_restored", "checkpoint", "policy_version", "publish_pattern",
+    "publish_latency_s", "upload_wait_s", "reload_pause_s", "publish_transfer_s", "checkpoint_refused",
+    "eval_pass_at_1", "eval_pass_at_k", "eval_delta", "difficulty_s", "rollout_s", "train_s", "publish_s", "eval_s",
+    "rows_dropped_divergence", "rows_downweighted_divergence", "episode_s_p50", "episode_s_p90", "episode_s_max",
+    "straggler_tail_s", "engine_idle_s", "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in",
+    "groups_dropped", "policy_lag_hist",
+}
+TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,
+         "logprob_abs_diff": 2e-5, "kl_k1": 1e-6, "kl_k3": 3e-6, "tis_capped_frac": 0.0, "tis_masked_frac": 0.0,
+         "ratio_p05": 0.999, "ratio_p50": 1.0, "ratio_p95": 1.001, "rows_dropped_divergence": 0.0,
+         "rows_downweighted_divergence": 0.0}
+SCHED = {"time_to_batch_s": 12.3456, "episode_s_p50": 5.0, "episode_s_p90": 9.0, "episode_s_max": 11.0,
+         "straggler_tail_s": 2.0, "engine_idle_s": 1.5, "generation_tokens_per_s": 40.0, "prefix_cache_hit_rate": 0.5,
+         "groups_carried_in": 1, "groups_dropped": 0, "lag_hist_0": 3, "lag_hist_1": 1}
+
+
+def summary(trained: TrainStats | None = None) -> StepSummary:
+    batch = RolloutStats("s3://b/r/trajectories/step-000002.parquet", 16, 12.3456, 0.25, {"success": 4,
+                         "model_failure": 12}, {}, 0, 16, 0.4321, 1000, 1, 2, 1.0e9, SCHED, stage_s=13.0)
+    trained = trained or TrainStats(TRAIN, 1.0, 2.5, "v2", stage_s=20.0)
+    published = PublishResult("s3://b/r/checkpoints/v3", 3, "storage", 0.5, 2.0, latency_s=3.25, upload_wait_s=0.0,
+                              stage_s=3.5)
+    report = {"pass_at_1": 0.5, "pass_at_k": {"1": 0.5}, "compared_to": {"pass_at_k_delta": {"1": 0.25}}}
+    return StepSummary.of(2, Selection(["t"], {}, [], {}, 0.125), batch, trained, published,
+                          EvalResult(report, stage_s=4.0))
+
+
+def test_stored_summary_keeps_every_key_it_had():
+    stored = summary().to_json()
+    assert set(stored) - {"metrics"} == STORED_KEYS
+    # rounded as before: time to batch to 2 places, reward to 4, acquire to 3; the lag histogram by int lag
+    assert (stored["time_to_batch_s"], stored["reward_mean"], stored["sandbox_acquire_p50_s"]) == (12.35, 0.25, 0.432)
+    assert stored["policy_lag_hist"] == {0: 3, 1: 1} and stored["difficulty_s"] == 0.12
+    assert (stored["eval_pass_at_1"], stored["eval_delta"], stored["policy_version"]) == (0.5, {"1": 0.25}, 3)
+
+
+def test_step_line_as_printed():
+    line = summary().line()
+    assert line.startswith("step 2: time_to_batch=12.3s reward_mean=0.250 outcomes[model_failure=12 success=4] "
+                           "policy_lag_max=1 logprob_mismatch=2.00e-05 kl_k3=3.0e-06 ")
+    assert "rows_with_signal=4 checkpoint=s3://b/r/checkpoints/v3 publish[storage] latency=3.2s pause=0.50s" in line
+    assert "eval pass@1=0.500 (vs previous: +0.250) episode_s p50/p90/max=5.0/9.0/11.0" in line
+    assert line.endswith("(stages s: difficulty 0.12 rollout 13.0 train 20.0 publish+load 3.5 eval 4.0)")
+
+
+def test_metrics_are_namespaced_and_a_new_field_needs_only_its_record():
+    m = summary().metrics()
+    assert m["rollout/reward_mean"] == 0.25 and m["rollout/outcome/success"] == 4.0
+    assert m["rollout/generation_tokens_per_s"] == 40.0 and m["train/grad_norm"] == 0.25
+    assert m["publish/latency_s"] == 3.25 and m["eval/pass_at_1"] == 0.5
+    assert (m["time/rollout_s"], m["time/train_s"], m["time/eval_s"]) == (13.0, 20.0, 4.0)
+    assert all("/" in k for k in m)
+
+    @dataclass(frozen=True)
+    class TrainWithSpikes(TrainStats):
+        grad_spikes: int = 0
+
+    m = summary(TrainWithSpikes(TRAIN, 1.0, 2.5, "v2", stage_s=20.0, grad_spikes=3)).metrics()
+    assert m["train/grad_spikes"] == 3.0
+    assert summary(TrainWithSpikes(TRAIN, 1.0, 2.5, "v2", grad_spikes=3)).to_json()["metrics"]["train/grad_spikes"] == 3
