@@ -189,17 +189,20 @@ class Collector:
     """
 
     def __init__(self, engine: VLLMEngine, backend: SandboxBackend, settings: CollectSettings,
-                 code_image: str, pool: WarmPool | None = None, harness: Harness | None = None):
+                 code_image: str, pool: WarmPool | None = None, harness: Harness | None = None,
+                 retry_backoff_s: float = 2.0):
         """Create a runner.
 
         ``code_image`` is the sandbox image code tasks are verified in (needs python3); ``pool``
         (optional) hands out already started sandboxes; ``harness`` acts in each episode (default:
-        :class:`~envs.harness.BashFenceHarness`).
+        :class:`~envs.harness.BashFenceHarness`); ``retry_backoff_s``: :meth:`collect`'s backoff before an
+        infra retry (2 s, then 4 s, ...: a sandbox engine restarting answers pings while it refuses starts).
         """
         self.engine, self.backend, self.s, self.sandbox_pool = engine, backend, settings, pool
         self.chat = ChatTokens(engine.tokenizer)
         self.code_image = code_image
         self.harness = harness or BashFenceHarness()
+        self.retry_backoff_s = retry_backoff_s
 
     def collect(self, run_id: str, step: int, tasks: list[Task], images: dict[str, tuple[str, str]],
                 on_progress: Callable[[int, int], None] | None = None, first_group: int = 0) -> list[dict]:
@@ -207,7 +210,8 @@ class Collector:
 
         Every episode runs on its own worker (the engines batch their turns); an attempt ending in
         ``infra_failure`` is retried up to ``max_infra_retries`` times, then its group is dropped (its
-        rows are still returned). No deadline, no carry-over: exactly these groups.
+        rows are still returned), after ``retry_backoff_s`` (doubling). No deadline, no carry-over: exactly
+        these groups.
 
         Args:
             run_id: run identifier stored in every row.
@@ -236,7 +240,8 @@ class Collector:
                                episode_deadline_s=float("inf"), infra_policy="retry",
                                max_infra_retries=self.s.max_infra_retries, prefetch=False,
                                policy_version=self.engine.policy_version,
-                               seed=(self.s.seed * 7919 + step * 10_007) % (2**31), first_launch_index=first_group)
+                               seed=(self.s.seed * 7919 + step * 10_007) % (2**31), first_launch_index=first_group,
+                               retry_backoff_s=self.retry_backoff_s)
         try:
             sched.submit([(f"{run_id}/{step}/{t.task_id}", t) for t in tasks])
             batch = sched.run_all(on_progress)

@@ -218,7 +218,7 @@ class AsyncCollector:
                  infra_policy: InfraPolicy = "retry", max_infra_retries: int = 1,
                  update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
                  policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
-                 first_launch_index: int = 0):
+                 first_launch_index: int = 0, retry_backoff_s: float = 0.0):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -239,6 +239,8 @@ class AsyncCollector:
             clock: monotonic clock (seconds).
             first_launch_index: launch index of the first group (attempt seeds derive from it), for groups
                 of one batch collected by several collectors (one group per fan-out worker).
+            retry_backoff_s: retry ``a`` of a member starts ``retry_backoff_s * 2**(a-1)`` s after the failure
+                (0: at once), so an outage (a sandbox engine restarting) is not met with instant retries.
 
         Raises:
             ValueError: a size or policy out of range.
@@ -260,6 +262,8 @@ class AsyncCollector:
         self._groups: dict[str, Group] = {}  # launched, not complete, not dropped
         self._running: dict[int, EpisodeJob] = {}  # id(job) -> job
         self._launched = first_launch_index
+        self.retry_backoff_s = retry_backoff_s
+        self._delayed: list[tuple[float, Group, int, int]] = []  # (due on the clock, group, sample index, attempt)
         self._launching = True
         self._wanted = 0  # groups the current request still needs (prefetch=False bound)
         self._dropped: list[Group] = []  # dropped for infra since the last batch
@@ -482,6 +486,8 @@ class AsyncCollector:
         self._events.put((job, row, self.clock()))
 
     def _next_wakeup(self) -> float:
+        if self._delayed:
+            return max(0.0, min(0.1, min(due for due, *_ in self._delayed) - self.clock()))
         if not self._running:
             return 0.1
         started = [j.launched_s for j in self._running.values() if j.launched_s]
@@ -504,6 +510,7 @@ class AsyncCollector:
                         self._event(event)
                     self._drain_events()
                     self._check_deadlines()
+                    self._start_due_retries()
                     self._launch()
                 except Exception:  # noqa: BLE001 - the pump must outlive any one bad event
                     log.exception("scheduler: pump iteration failed")
@@ -539,6 +546,14 @@ class AsyncCollector:
             except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
                 self._drop_after_error(job, "recording a deadline")
 
+    def _start_due_retries(self) -> None:
+        now = self.clock()
+        due = [d for d in self._delayed if d[0] <= now]
+        self._delayed = [d for d in self._delayed if d[0] > now]
+        for _, g, sample_index, attempt in due:
+            if g.group_id in self._groups:  # not dropped meanwhile
+                self._start(g, sample_index, attempt)
+
     def _drop_after_error(self, job: EpisodeJob, what: str) -> None:
         """Log the exception being handled and drop the job's group (``infra_failure:harness_error``)."""
         log.exception("scheduler: %s of %s failed; dropping the group", what, job.group_id)
@@ -555,7 +570,11 @@ class AsyncCollector:
         if row["outcome"] == "infra_failure":
             if self.infra_policy == "retry" and job.attempt < self.max_retries:
                 self.counters["infra_retries"] += 1
-                self._start(g, job.sample_index, job.attempt + 1)
+                if self.retry_backoff_s > 0:
+                    due = self.clock() + self.retry_backoff_s * 2**job.attempt
+                    self._delayed.append((due, g, job.sample_index, job.attempt + 1))
+                else:
+                    self._start(g, job.sample_index, job.attempt + 1)
             else:
                 self._drop(g, f"infra_failure:{row['reason']}")
             return

@@ -86,9 +86,13 @@ def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hel
     c = _collector(engine, backend, images, max_turns=3, update_policy="pause")
     try:
         c.submit([("g-update", task)])
-        deadline = time.monotonic() + 120
-        while engine.router.requests < 2 and time.monotonic() < deadline:  # both siblings sent turn 1
+        deadline = time.monotonic() + 300
+        router = engine.router
+        # both siblings sent turn 1: two first requests (a trajectory's later requests are sticky hits). Counting
+        # requests alone let one sibling's turns 1 and 2 pass for both while the other still waited for its sandbox
+        while router.requests - router.sticky_hits < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert router.requests - router.sticky_hits >= 2, "the siblings' first turns were not sent within 300 s"
         pause_s = c.update_weights(lambda: engine.load_weights(str(tiny_model), 1), 1)
         batch = c.next_batch(1, timeout_s=300)
     finally:

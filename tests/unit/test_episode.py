@@ -124,7 +124,7 @@ def rig(tiny_tokenizer):
              "seed": 0, "max_infra_retries": 1, **settings}
         engine = ScriptedEngine(tiny_tokenizer, script, max_model_len=max_model_len)
         sandboxes = InMemoryBackend(exec_fn, start_failures)
-        c = Collector(engine, sandboxes, CollectSettings(**s), code_image=CODE_IMAGE)
+        c = Collector(engine, sandboxes, CollectSettings(**s), code_image=CODE_IMAGE, retry_backoff_s=0.0)
         return Rig(c, engine, sandboxes)
 
     return make

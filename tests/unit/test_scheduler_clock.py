@@ -126,6 +126,38 @@ def test_an_attempt_is_cancelled_only_once_the_clock_is_past_its_deadline(make):
     assert (c.counters["deadline_cancels"], c.counters["infra_retries"]) == (1, 1)
 
 
+def wait_until(condition) -> None:
+    """Poll ``condition`` on wall time (the scheduler thread acts on its own wake-ups), up to ``WAIT_S``."""
+    deadline = threading.Event()
+    for _ in range(int(WAIT_S / 0.01)):
+        if condition():
+            return
+        deadline.wait(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_an_infra_retry_waits_its_backoff_on_the_clock(make):
+    c, runner, clock = make(episode_deadline_s=10.0, retry_backoff_s=2.0, max_infra_retries=2)
+    c.submit([("g", None)])
+    runner.wait_started("g", 0, 0)
+    clock.advance(10.5)  # t = 10.5: past the deadline, attempt 0 is an infra failure; retry 1 is due at t = 12.5
+    wait_until(lambda: c.counters["deadline_cancels"] == 1)
+    threading.Event().wait(0.2)  # the scheduler wakes at least every 0.1 s: it would have started a due retry
+    assert not runner.started("g", 0, 1)
+    clock.advance(2.0)
+    runner.wait_started("g", 0, 1)  # backoff 2 s * 2**0
+    clock.advance(10.5)  # t = 23: attempt 1 past its deadline; retry 2 is due 2 s * 2**1 = 4 s later, at t = 27
+    wait_until(lambda: c.counters["deadline_cancels"] == 2)
+    clock.advance(3.5)  # t = 26.5
+    threading.Event().wait(0.2)
+    assert not runner.started("g", 0, 2)
+    clock.advance(0.5)
+    runner.wait_started("g", 0, 2)
+    runner.release("g", 0, 2)
+    batch = next_batch(c, 1)
+    assert [a.row["attempt"] for a in batch.attempts] == [0, 1, 2] and c.counters["infra_retries"] == 2
+
+
 @pytest.mark.xfail(strict=True, reason="next_batch's counters (deadline_cancels, infra_retries, dropped_infra) count "
                                        "from the call's start, not 'since the previous batch': what happens between "
                                        "batches (prefetch, while the trainer trains) is in no batch's metrics")
