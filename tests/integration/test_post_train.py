@@ -36,9 +36,23 @@ def related_assets(event: dict) -> set[str]:
     return {r["prefect.resource.id"] for r in event["related"] if r.get("prefect.resource.role") == "asset"}
 
 
+class FinishedRun(tuple):
+    """``(config, summaries)`` of a post_train run, and its ``flow_run_id`` (to scope API queries to it)."""
+
+    flow_run_id: str
+
+
+def run_post_train(config: RunConfig) -> FinishedRun:
+    from flows.post_train import post_train
+
+    state = post_train(config, return_state=True)
+    finished = FinishedRun((config, state.result()))
+    finished.flow_run_id = str(state.state_details.flow_run_id)
+    return finished
+
+
 @pytest.fixture(scope="module")
 def finished_run(tiny_model, s3, prefect_harness):
-    from flows.post_train import post_train
 
     config = RunConfig(
         run_id=f"it-{uuid.uuid4().hex[:8]}", steps=1,
@@ -49,8 +63,20 @@ def finished_run(tiny_model, s3, prefect_harness):
         eval=EvalConfig(max_tokens=24),
         publish=ColocatedPublish(),  # storage: test_resume.py and the quickstart
     )
-    summaries = post_train(config)
-    return config, summaries
+    return run_post_train(config)
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tiny_model, s3, prefect_harness):
+    """A run of its own for the evaluate flow test, which adds reports beside v1 (the lineage tests count v1's)."""
+    config = RunConfig(
+        run_id=f"ev-{uuid.uuid4().hex[:8]}", steps=1,
+        model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
+        tasks=TaskSetConfig(terminal_eval_ids=["make-dir"], humaneval_train=1, humaneval_eval=0),
+        rollout=RolloutConfig(tasks_per_step=1, group_size=2, max_tokens_per_turn=16, max_turns=1),
+        eval=EvalConfig(max_tokens=16),
+    )
+    return run_post_train(config)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +119,8 @@ def test_report_and_summaries_stored_and_shown(finished_run, s3):
         found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
             "any_": [artifact_key(config.run_id, suffix)]}}}, timeout=10).json()
         assert found and found[0]["type"] == kind, found
-    progress = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"type": {"any_": ["progress"]}}},
-                          timeout=10).json()
+    progress = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {  # this run's own, not any earlier one's
+        "type": {"any_": ["progress"]}, "flow_run_id": {"any_": [finished_run.flow_run_id]}}}, timeout=10).json()
     assert any(a["data"] == 100.0 for a in progress)
 
 
@@ -475,13 +501,12 @@ def _evaluate_in_subprocess(config, version: int) -> dict:
     return json.loads(out.stdout.split("REPORT=", 1)[1].splitlines()[0])
 
 
-# Last in the module: it adds eval assets downstream of v1 (the lineage tests above count them).
-def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(finished_run, s3, monkeypatch):
+def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(evaluated_run, s3, monkeypatch):
     from flows.evaluate import evaluate
     from infra.evaluate import PrecisionMismatch
     from infra.run import Run
 
-    config, _ = finished_run
+    config, _ = evaluated_run
     ckpt = f"agentrl/runs/{config.run_id}/checkpoints/v1"
     before = json.loads(s3.cat_file(f"{ckpt}/eval.json"))
     # same dtype and settings: the stored report is served, nothing re-runs
