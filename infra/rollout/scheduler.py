@@ -269,6 +269,7 @@ class AsyncCollector:
         self._dropped: list[Group] = []  # dropped for infra since the last batch
         self._stale_seen = 0  # bank.dropped_stale already reported
         self.counters: Counter = Counter()
+        self._counters_reported: Counter = Counter()  # the counters when the previous batch was handed out
         self._closed = False
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -322,7 +323,7 @@ class AsyncCollector:
         """
         start = self.clock()
         with self._changed:
-            counters0 = Counter(self.counters)
+            counters0 = self._counters_reported
             self.bank.expire(self.policy_version)
             carried_in = self.bank.eligible(self.policy_version)
             self._wanted = n_groups
@@ -331,11 +332,7 @@ class AsyncCollector:
             while (ready := self.bank.eligible(self.policy_version)) < n_groups:
                 if on_progress is not None and ready != reported:
                     reported = ready
-                    self._changed.release()
-                    try:
-                        on_progress(ready, n_groups)
-                    finally:
-                        self._changed.acquire()
+                    self._unlocked(on_progress, ready, n_groups)
                     continue  # the state may have changed while the callback ran: look again
                 if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
                     why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
@@ -361,6 +358,7 @@ class AsyncCollector:
             dropped = self._dropped + stale
             self._dropped, self.bank.dropped_stale = [], []
             self.counters["dropped_stale"] += len(stale)
+            self._counters_reported = Counter(self.counters)
             rows = [r for g in groups for r in g.rows]
             return BatchResult(groups, rows, dropped,
                                self._metrics(groups, start, end, min(carried_in, n_groups), counters0))
@@ -383,11 +381,7 @@ class AsyncCollector:
                 finished = total - len(self._groups) - len(self._pending)
                 if on_progress is not None and finished != reported:
                     reported = finished
-                    self._changed.release()
-                    try:
-                        on_progress(finished, total)
-                    finally:
-                        self._changed.acquire()
+                    self._unlocked(on_progress, finished, total)
                     continue
                 self._changed.wait(timeout=0.5)
             self._wanted = 0
@@ -396,6 +390,7 @@ class AsyncCollector:
             self.bank.dropped_stale = []
             rows = [r for g in groups + dropped for r in g.rows]
             result = BatchResult(groups, rows, dropped, self._metrics(groups, start, self.clock(), 0, counters0))
+            self._counters_reported = Counter(self.counters)
         if on_progress is not None:
             on_progress(total, total)
         return result
@@ -545,6 +540,14 @@ class AsyncCollector:
                 self._finished(job, Attempt(row, now, now - job.launched_s, job.launched_s - job.queued_s))
             except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
                 self._drop_after_error(job, "recording a deadline")
+
+    def _unlocked(self, fn: Callable, *args) -> None:
+        """Call ``fn(*args)`` with the scheduler's lock released (held again on return)."""
+        self._changed.release()
+        try:
+            fn(*args)
+        finally:
+            self._changed.acquire()
 
     def _start_due_retries(self) -> None:
         now = self.clock()

@@ -158,9 +158,6 @@ def test_an_infra_retry_waits_its_backoff_on_the_clock(make):
     assert [a.row["attempt"] for a in batch.attempts] == [0, 1, 2] and c.counters["infra_retries"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="next_batch's counters (deadline_cancels, infra_retries, dropped_infra) count "
-                                       "from the call's start, not 'since the previous batch': what happens between "
-                                       "batches (prefetch, while the trainer trains) is in no batch's metrics")
 def test_a_deadline_cancel_between_batches_is_counted_in_the_next_batch(make):
     c, runner, clock = make(episode_deadline_s=10.0)
     c.submit([("a", None), ("b", None)])
