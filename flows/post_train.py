@@ -16,13 +16,13 @@ from infra.evaluate import PrecisionMismatch
 from infra.run import Run
 from infra.summary import StepSummary
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
-from tasks.difficulty import refresh_difficulty
+from tasks.difficulty import select_step_tasks
 from tasks.evaluate import evaluate_published
 from tasks.policy import prepare_policy
 from tasks.publish import Publisher
 from tasks.report import record_step
 from tasks.rollouts import rollouts_for_step
-from tasks.train import train_step
+from tasks.train import train
 
 DEFAULT_CONFIG = RunConfig()
 
@@ -40,9 +40,9 @@ def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
         materialize_task_images(run)
         summaries = []
         for step in range(prepare_policy(run), config.steps):
-            selection = refresh_difficulty(run, step)
+            selection = select_step_tasks(run, step)
             batch = rollouts_for_step(run, selection.chosen, step, task_image_assets(run, selection.chosen))
-            trained = train_step(run, batch, step)
+            trained = train(run, batch, step)
             published = publish(step, batch.uri)
             evaluated = evaluate_published(run, published)
             summary = StepSummary.of(step, selection, batch, trained, published, evaluated)

@@ -95,7 +95,7 @@ class AsyncScheduler(_Strict):
 
 
 class SyncScheduler(_Strict):
-    """One turn-synchronous batch of exactly the chosen groups, no carry-over between steps."""
+    """Exactly the chosen groups, each run to its end (one-shot, every attempt's row), no carry-over between steps."""
 
     kind: Literal["sync"] = "sync"
 

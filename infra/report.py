@@ -55,7 +55,7 @@ def render_report(run_id: str, summaries: list[dict]) -> str:
     if lag:
         ax.bar([str(k) for k in sorted(lag)], [lag[k] for k in sorted(lag)])
     else:
-        ax.text(0.5, 0.5, "no lag histogram\n(turn-synchronous collector)", ha="center", va="center")
+        ax.text(0.5, 0.5, "no lag histogram\n(sync collector)", ha="center", va="center")
     ax.set(xlabel="policy lag (versions)", ylabel="groups", title=f"Policy lag, step {last['step']}")
     lag_png = _png(fig)
 

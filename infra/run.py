@@ -130,8 +130,8 @@ class Run:
             policy = Policy(0, str(resolve_model(self.config.model.path)))
         if self._engine is not None and self._engine.policy_version != policy.version:
             self.serve_folder(policy)
-        else:
-            self._policy = policy
+        else:  # no engine yet (it starts from this folder), or it serves these weights already
+            self.serve(policy, lambda: 0.0)
         return policy
 
     def resume(self) -> int:

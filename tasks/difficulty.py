@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -13,10 +14,15 @@ from infra.store import read_history
 from infra.summary import Selection
 
 
+def select_step_tasks(run: Run, step: int) -> Selection:
+    """The difficulty stage: :func:`refresh_difficulty`, its seconds (retries included) as ``stage_s``."""
+    start = time.monotonic()
+    return replace(refresh_difficulty(run, step), stage_s=time.monotonic() - start)
+
+
 @task(name="refresh_difficulty", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def refresh_difficulty(run: Run, step: int) -> Selection:
     """Choose the step's training tasks from past pass rates (``infra.difficulty``)."""
-    start = time.monotonic()
     train_ids = [e.task_id for e in run.catalog.usable("train")]
     columns = ("task_id", "step", "reward", "outcome")
     hist = read_history(run.fs, run.layout, list(columns))
@@ -26,4 +32,4 @@ def refresh_difficulty(run: Run, step: int) -> Selection:
     sel = select_tasks(train_ids, stats, r.tasks_per_step, d.window, d.hopeless_min_attempts,
                        d.explore_min_attempts, seed=r.seed * 7919 + step, revisit_frac=d.revisit_frac)
     return Selection(sel.chosen, sel.skipped, sel.revisited,
-                     {t: stats[t].pass_rate for t in sel.chosen if t in stats}, time.monotonic() - start)
+                     {t: stats[t].pass_rate for t in sel.chosen if t in stats})

@@ -34,8 +34,8 @@ def collect_rollouts(run: Run, task_ids: list[str], step: int) -> RolloutStats:
     keeps up to ``ceil(tasks_per_step * overprovision)`` groups in flight; the chosen tasks (then, to
     fill that bound, extra groups of the same tasks) are submitted, and the first complete eligible
     groups form the batch, whatever step launched them. Groups dropped meanwhile (stale, or infra
-    policy) are written to ``dropped/step-N.parquet``, never trained on. Kind ``sync``: one
-    turn-synchronous batch of exactly the chosen groups.
+    policy) are written to ``dropped/step-N.parquet``, never trained on. Kind ``sync``: a
+    one-shot batch of exactly the chosen groups (``Collector.collect``).
 
     Run as a materializing task (:func:`rollouts_for_step` gives it the trajectory asset and the image
     assets as dependencies). Rewriting a step replaces its file, so a re-run never duplicates rows.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import replace
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -13,16 +14,26 @@ from infra.store import read_step, write_divergence
 from infra.summary import RolloutStats, TrainStats
 
 
-@task(name="train_step", cache_policy=NO_CACHE)
-def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
-    """Read the step's rows back from storage, run one GRPO step on them, save the trainer state.
+def train(run: Run, batch: RolloutStats, step: int) -> TrainStats:
+    """The training stage: :func:`train_step`, then :func:`save_trainer_state` (``v{step + 1}``).
 
-    The per-row divergence decisions (KL estimates k1/k3 of behaviour vs current policy, weight,
-    ``keep``/``drop``/``downweight``) are written to ``RunLayout.divergence(step)``. The state is
-    saved as ``v{step + 1}`` when ``train.save_optimizer_state`` (see :func:`save_trainer_state`).
-    ``policy_lag_max``: the served version minus the oldest behaviour version among the rows.
+    The state is saved when ``train.save_optimizer_state``; ``stage_s`` covers both tasks.
     """
     start = time.monotonic()
+    trained = train_step(run, batch, step)
+    state_s = save_trainer_state(run, step + 1) if run.config.train.save_optimizer_state else 0.0
+    return replace(trained, trainer_state_s=state_s, trainer_state_restored=run.trainer_restored,
+                   stage_s=time.monotonic() - start)
+
+
+@task(name="train_step", cache_policy=NO_CACHE)
+def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
+    """Read the step's rows back from storage and run one GRPO step on them.
+
+    The per-row divergence decisions (KL estimates k1/k3 of behaviour vs current policy, weight,
+    ``keep``/``drop``/``downweight``) are written to ``RunLayout.divergence(step)``.
+    ``policy_lag_max``: the served version minus the oldest behaviour version among the rows.
+    """
     rows = read_step(run.fs, batch.uri).to_pylist()
     metrics = run.trainer.step(rows)
     decisions = run.trainer.last_row_decisions
@@ -30,8 +41,7 @@ def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
         write_divergence(run.fs, run.layout.divergence(step), decisions)
     sampled = [r["min_policy_version"] for r in rows if r["min_policy_version"] >= 0]
     lag = float(run.policy.version - min(sampled)) if sampled else 0.0
-    state_s = save_trainer_state(run, step + 1) if run.config.train.save_optimizer_state else 0.0
-    return TrainStats(metrics, lag, state_s, run.trainer_restored, time.monotonic() - start)
+    return TrainStats(metrics, lag, 0.0, run.trainer_restored)
 
 
 @task(name="save_trainer_state", cache_policy=NO_CACHE)

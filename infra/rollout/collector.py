@@ -30,7 +30,7 @@ from envs.harness import BashFenceHarness, Harness
 from envs.task import Outcome, Task
 from envs.verify import Verdict
 from infra.rollout.chat_tokens import ChatTokens
-from infra.rollout.engine import Sample, SampleRequest, VLLMEngine
+from infra.rollout.engine import RolloutEngine, Sample, SampleRequest
 from infra.rollout.scheduler import AsyncCollector, EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
@@ -127,8 +127,11 @@ class _EpisodeIO:
         return self.e.tool_s
 
     def start(self, messages: list[dict[str, str]]) -> None:
+        """Open the transcript; a task that acts in a sandbox gets it now (a failed start ends the episode)."""
         self.e.append(self.runner.chat.prompt_ids(messages), None)
         self.e.prompt_tokens = len(self.e.token_ids)
+        if self.task.acts_in_sandbox:
+            self.runner._acquire(self.e)
 
     def sample(self) -> str | None:
         e, s = self.e, self.runner.s
@@ -188,30 +191,32 @@ class Collector:
     infra retries from the scheduler, in every mode.
     """
 
-    def __init__(self, engine: VLLMEngine, backend: SandboxBackend, settings: CollectSettings,
+    def __init__(self, engine: RolloutEngine, backend: SandboxBackend, settings: CollectSettings,
                  code_image: str, pool: WarmPool | None = None, harness: Harness | None = None,
-                 retry_backoff_s: float = 2.0):
+                 retry_backoff_s: float = 2.0, max_concurrent_episodes: int = 16):
         """Create a runner.
 
         ``code_image`` is the sandbox image code tasks are verified in (needs python3); ``pool``
         (optional) hands out already started sandboxes; ``harness`` acts in each episode (default:
         :class:`~envs.harness.BashFenceHarness`); ``retry_backoff_s``: :meth:`collect`'s backoff before an
-        infra retry (2 s, then 4 s, ...: a sandbox engine restarting answers pings while it refuses starts).
+        infra retry (2 s, then 4 s, ...: a sandbox engine restarting answers pings while it refuses starts);
+        ``max_concurrent_episodes``: episodes :meth:`collect` runs at once (the async default).
         """
         self.engine, self.backend, self.s, self.sandbox_pool = engine, backend, settings, pool
         self.chat = ChatTokens(engine.tokenizer)
         self.code_image = code_image
         self.harness = harness or BashFenceHarness()
         self.retry_backoff_s = retry_backoff_s
+        self.max_concurrent_episodes = max_concurrent_episodes
 
     def collect(self, run_id: str, step: int, tasks: list[Task], images: dict[str, tuple[str, str]],
                 on_progress: Callable[[int, int], None] | None = None, first_group: int = 0) -> list[dict]:
         """Run ``group_size`` attempts for each task to their end; returns one row per attempt (retries included).
 
-        Every episode runs on its own worker (the engines batch their turns); an attempt ending in
-        ``infra_failure`` is retried up to ``max_infra_retries`` times, then its group is dropped (its
-        rows are still returned), after ``retry_backoff_s`` (doubling). No deadline, no carry-over: exactly
-        these groups.
+        Up to ``max_concurrent_episodes`` episodes run at once, each on its own worker (the engines batch
+        their turns); an attempt ending in ``infra_failure`` is retried up to ``max_infra_retries`` times,
+        after ``retry_backoff_s`` (doubling), and a member out of retries keeps its failed row while its
+        siblings run on. No deadline, no carry-over: exactly these groups, every attempt's row.
 
         Args:
             run_id: run identifier stored in every row.
@@ -236,12 +241,13 @@ class Collector:
             for (image, limits), n in demand.items():
                 self.sandbox_pool.ensure(image, n, **limits.kwargs())
         sched = AsyncCollector(self, group_size=self.s.group_size, max_groups_in_flight=len(tasks),
-                               max_concurrent_episodes=len(tasks) * self.s.group_size, max_policy_lag=2**31 - 1,
-                               episode_deadline_s=float("inf"), infra_policy="retry",
+                               max_concurrent_episodes=min(len(tasks) * self.s.group_size,
+                                                           self.max_concurrent_episodes),
+                               max_policy_lag=2**31 - 1, episode_deadline_s=float("inf"), infra_policy="retry",
                                max_infra_retries=self.s.max_infra_retries, prefetch=False,
                                policy_version=self.engine.policy_version,
                                seed=(self.s.seed * 7919 + step * 10_007) % (2**31), first_launch_index=first_group,
-                               retry_backoff_s=self.retry_backoff_s)
+                               retry_backoff_s=self.retry_backoff_s, keep_failed_members=True)
         try:
             sched.submit([(f"{run_id}/{step}/{t.task_id}", t) for t in tasks])
             batch = sched.run_all(on_progress)
@@ -258,7 +264,8 @@ class Collector:
     def run(self, job: EpisodeJob) -> dict:
         """Run one attempt start to end (:class:`~infra.rollout.scheduler.EpisodeRunner`).
 
-        The sandbox is acquired (terminal tasks), the harness acts, the task verifies. Every turn is
+        The harness acts (its episode's sandbox is acquired when it opens the transcript, for terminal
+        tasks), then the task verifies. Every turn is
         its own engine request routed by the episode id (the engines batch concurrent episodes).
         ``job.cancel`` is checked between turns: a cancelled attempt ends as ``infra_failure/cancelled``.
         A retried attempt first waits (up to 60 s) for the sandbox engine to answer (after a restart).
@@ -269,10 +276,7 @@ class Collector:
         try:
             if job.attempt:
                 self.backend.wait_engine(60.0)
-            if e.task.acts_in_sandbox:
-                self._acquire(e)
-            if not e.infra_reason:
-                self.harness.act(_EpisodeIO(self, e, job.cancel), self.s.max_turns)
+            self.harness.act(_EpisodeIO(self, e, job.cancel), self.s.max_turns)
             if job.cancel.is_set() and not e.infra_reason:
                 e.infra_reason = "cancelled"
             if not e.infra_reason:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,40 @@ class Sample:
     stop_reason: str
     text: str
     replica: str = ""
+
+
+class RolloutEngine(Protocol):
+    """What the episode runner, the run and the publishers use of an engine.
+
+    Implementations: :class:`VLLMEngine` (in this process) and ``infra.rollout.servers.ServerEngine``
+    (vLLM OpenAI servers behind a router).
+    """
+
+    tokenizer: Any
+    max_model_len: int
+    dtype: str
+    replica: str
+    generated_tokens: int  # tokens sampled so far
+    busy_s: float  # seconds spent generating so far
+
+    @property
+    def policy_version(self) -> int:
+        """The version every token sampled now is stamped with (servers: the lowest a live replica serves)."""
+
+    def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
+        """One sample per request (``trajectory_ids`` route a trajectory's turns to one replica)."""
+
+    def finish(self, trajectory_id: str) -> None:
+        """The trajectory ended (its routing affinity is released)."""
+
+    def load_weights(self, hf_dir: str, policy_version: int) -> float:
+        """Hot-load an HF folder's weights and reset the prefix cache; returns the apply pause in s."""
+
+    def prefix_cache(self) -> dict[str, float]:
+        """Prefix-cache ``queries`` and ``hits`` in tokens so far."""
+
+    def close(self) -> None:
+        """Free the engine (servers the engine started are stopped)."""
 
 
 @dataclass
@@ -101,6 +136,7 @@ class VLLMEngine:
 
         Raises:
             ValueError: a request's prompt plus max_tokens exceeds ``max_model_len``.
+            RuntimeError: the engine was closed.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -116,6 +152,8 @@ class VLLMEngine:
             raise RuntimeError("generate called from the engine's own batching thread")
         pending = _Pending(prompts, params)
         with self._queue_cv:
+            if self._closed:
+                raise RuntimeError("the engine was closed")
             self._queue.append(pending)
             if self._batcher is None:
                 self._batcher = threading.Thread(target=self._batch_loop, name="vllm-batcher", daemon=True)

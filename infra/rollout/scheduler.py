@@ -114,7 +114,7 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        """Every sibling has a final, non-infra row."""
+        """Every sibling has its final row (non-infra, unless the collector keeps failed members)."""
         return len(self.final) == self.group_size
 
     @property
@@ -218,7 +218,7 @@ class AsyncCollector:
                  infra_policy: InfraPolicy = "retry", max_infra_retries: int = 1,
                  update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
                  policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
-                 first_launch_index: int = 0, retry_backoff_s: float = 0.0):
+                 first_launch_index: int = 0, retry_backoff_s: float = 0.0, keep_failed_members: bool = False):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -241,6 +241,8 @@ class AsyncCollector:
                 of one batch collected by several collectors (one group per fan-out worker).
             retry_backoff_s: retry ``a`` of a member starts ``retry_backoff_s * 2**(a-1)`` s after the failure
                 (0: at once), so an outage (a sandbox engine restarting) is not met with instant retries.
+            keep_failed_members: a member out of retries ends with its failed attempt and its siblings run on
+                (a one-shot batch keeps every row: evaluation, sync mode); False drops the group (training).
 
         Raises:
             ValueError: a size or policy out of range.
@@ -263,6 +265,7 @@ class AsyncCollector:
         self._running: dict[int, EpisodeJob] = {}  # id(job) -> job
         self._launched = first_launch_index
         self.retry_backoff_s = retry_backoff_s
+        self.keep_failed_members = keep_failed_members
         self._delayed: list[tuple[float, Group, int, int]] = []  # (due on the clock, group, sample index, attempt)
         self._launching = True
         self._wanted = 0  # groups the current request still needs (prefetch=False bound)
@@ -430,11 +433,11 @@ class AsyncCollector:
         return self.clock() - start
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Process events until no episode runs (or ``timeout_s``); stops launching."""
+        """Process events until no episode runs or waits for its retry (or ``timeout_s``); stops launching."""
         end = self.clock() + timeout_s
         with self._changed:
             self._launching = False
-            while self._running and self.clock() < end:
+            while (self._running or self._delayed) and self.clock() < end:
                 self._changed.wait(timeout=min(0.5, max(0.001, end - self.clock())))
 
     def close(self) -> None:
@@ -578,9 +581,10 @@ class AsyncCollector:
                     self._delayed.append((due, g, job.sample_index, job.attempt + 1))
                 else:
                     self._start(g, job.sample_index, job.attempt + 1)
-            else:
+                return
+            if not self.keep_failed_members:
                 self._drop(g, f"infra_failure:{row['reason']}")
-            return
+                return
         g.final[job.sample_index] = attempt
         if g.complete:
             g.completed_s = attempt.finished_s

@@ -271,6 +271,7 @@ def test_a_sandbox_that_fails_to_start_is_an_infra_failure_before_any_generation
     assert (row["outcome"], row["reason"], row["num_turns"]) == ("infra_failure", "sandbox_start_failed", 0)
     assert r.engine.received == [] and (row["min_policy_version"], row["max_policy_version"]) == (-1, -1)
     assert sum(row["loss_mask"]) == 0 and row["completion_tokens"] == 0
+    assert row["prompt_tokens"] == len(row["token_ids"]) > 0  # the opening prompt is in the row, as it was
     assert r.sandboxes.start_attempts == 1 and r.sandboxes.starts == 0
 
 
@@ -444,6 +445,18 @@ def test_a_retried_attempt_does_not_reuse_a_siblings_seed(rig, tmp_path):
     _, rows = collect_with_first_sandbox_vanishing(rig, tmp_path)
     final = [x["seed"] for x in rows if x["outcome"] != "infra_failure"]
     assert len(final) == 2 and len(set(final)) == 2
+
+
+def test_collect_keeps_every_row_when_a_member_runs_out_of_retries(rig, tmp_path):
+    # G = 3, no retries: sample 0's engine is unreachable; its siblings still run to their end (evaluation
+    # counts every sample; a dropped group would cancel them and lose their rows)
+    r = rig(by_seed({job_seed(0, 3, 0, 0): [EngineUnavailable("scripted")], job_seed(0, 3, 0, 1): [HELLO, DONE],
+                     job_seed(0, 3, 0, 2): [DONE]}), group_size=3, max_infra_retries=0)
+    rows = r.collect([terminal_task(tmp_path)])
+    assert [(x["sample_index"], x["outcome"], x["reason"]) for x in rows] == [
+        (0, "infra_failure", "engine_unreachable"), (1, "success", "tests_passed"),
+        (2, "model_failure", "tests_failed")]
+    assert_all_closed(r.sandboxes)
 
 
 def test_collect_finishes_every_trajectory_on_the_engine(rig, tmp_path):
