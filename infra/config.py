@@ -87,6 +87,9 @@ class AsyncScheduler(_Strict):
     """Wall-clock limit per attempt; past it the attempt is infra_failure/episode_deadline."""
     infra_policy: Literal["retry", "drop"] = "retry"
     """A member ending in infra_failure is retried (up to ``rollout.max_infra_retries``) or its group dropped."""
+    retry_backoff_s: float = Field(0.0, ge=0.0, le=600.0)
+    """Retry ``a`` of a member starts ``retry_backoff_s * 2**(a-1)`` s after its failure (0: at once); a
+    sandbox engine that restarts refuses starts for a few seconds while it still answers pings."""
     update_policy: Literal["finish", "pause", "abort"] = "pause"
     """Episodes in flight at a weight update finish on the old weights, pause and continue on the new
     ones (per-token versions record it), or are aborted and relaunched."""

@@ -144,6 +144,8 @@ def test_a_value_inside_a_kind_is_named_by_its_toml_field(tmp_path):
         "bad.toml: field 'engine.count': Input should be greater than or equal to 1 (got 0)")
     assert _error(tmp_path, "[rollout]\nscheduler = { kind = \"async\", update_policy = \"later\" }\n").startswith(
         "bad.toml: field 'rollout.scheduler.update_policy': Input should be 'finish', 'pause' or 'abort'")
+    assert _error(tmp_path, "[rollout]\nscheduler = { kind = \"async\", retry_backoff_s = -1 }\n") == (
+        "bad.toml: field 'rollout.scheduler.retry_backoff_s': Input should be greater than or equal to 0 (got -1)")
 
 
 def test_the_flat_keys_of_older_configs_say_where_they_went(tmp_path):
