@@ -6,6 +6,7 @@ Docker sandboxes through them with the asynchronous scheduler.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -81,21 +82,47 @@ def test_sticky_routing_keeps_a_trajectory_on_its_replica_and_hits_its_prefix_ca
     assert after["hits"] - before["hits"] > 0  # later turns reused the cached history
 
 
+class HoldLaterTurns:
+    """The real engine, with each trajectory's second request held back until ``release`` is set.
+
+    Lets a test apply a weight update exactly between turn 1 and turn 2 of every trajectory (timing only:
+    every request is still served by the real engine).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.release = threading.Event()
+        self.first_turns_done = threading.Semaphore(0)
+        self._turns: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, trajectory_ids=None):
+        with self._lock:
+            turn = self._turns[trajectory_ids[0]] = self._turns.get(trajectory_ids[0], 0) + 1
+        if turn == 2:
+            assert self.release.wait(300), "the test never released the second turns"
+        samples = self.engine.generate(requests, trajectory_ids)
+        if turn == 1:
+            self.first_turns_done.release()
+        return samples
+
+
 def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hello_image, tiny_model):
     task, images = hello_image
-    c = _collector(engine, backend, images, max_turns=3, update_policy="pause")
+    held = HoldLaterTurns(engine)
+    c = _collector(held, backend, images, max_turns=3, update_policy="pause")
     try:
         c.submit([("g-update", task)])
-        deadline = time.monotonic() + 300
-        router = engine.router
-        # both siblings sent turn 1: two first requests (a trajectory's later requests are sticky hits). Counting
-        # requests alone let one sibling's turns 1 and 2 pass for both while the other still waited for its sandbox
-        while router.requests - router.sticky_hits < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert router.requests - router.sticky_hits >= 2, "the siblings' first turns were not sent within 300 s"
+        for _ in range(2):  # both siblings sampled turn 1 (on v0); neither has sent turn 2
+            assert held.first_turns_done.acquire(timeout=300), "the siblings' first turns were not sampled in 300 s"
         pause_s = c.update_weights(lambda: engine.load_weights(str(tiny_model), 1), 1)
+        held.release.set()
         batch = c.next_batch(1, timeout_s=300)
     finally:
+        held.release.set()
         c.drain(60)
         c.close()
     assert pause_s > 0
