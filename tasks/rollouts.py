@@ -12,7 +12,6 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.assets import add_asset_metadata
 
 from infra.config import AsyncScheduler, SyncScheduler
-from infra.environments import BASE_IMAGE
 from infra.run import Run
 from infra.store import write_step
 from infra.summary import RolloutStats
@@ -88,7 +87,6 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
                    on_progress) -> tuple[list[dict], list[dict], dict]:
     """Submit this step's groups to the run's asynchronous collector and take one batch from it."""
-    r = run.config.rollout
     sched = run.collector
     sched.runner.bind(run.config.run_id, step, images)
     room = sched.room()
@@ -97,13 +95,7 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
     extra = [(f"{prefix}/{t}/x{k}", run.tasks[t])
              for k, t in zip(range(max(0, room - len(chosen))), itertools.cycle(task_ids), strict=False)]
     groups = (chosen + extra)[:room]
-    if run.pool is not None:  # declare this step's sandbox demand per image
-        demand: Counter = Counter()
-        for _, t in groups:  # code tasks are verified in the base image, which the catalog lists for them
-            image = images.get(t.task_id, (BASE_IMAGE, ""))[0]
-            demand[(image, t.limits)] += 1
-        for (image, limits), n in demand.items():
-            run.pool.ensure(image, n * r.group_size, **limits.kwargs())
+    sched.runner.reserve_sandboxes([t for _, t in groups])  # this step's sandbox demand per image
     engine = run.engine
     tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
     cache0 = engine.prefix_cache()

@@ -233,13 +233,7 @@ class Collector:
         if not tasks:
             return []
         self.bind(run_id, step, images)
-        if self.sandbox_pool is not None:
-            demand: dict[tuple, int] = {}
-            for t in tasks:
-                key = (images.get(t.task_id, (self.code_image, ""))[0], t.limits)
-                demand[key] = demand.get(key, 0) + self.s.group_size
-            for (image, limits), n in demand.items():
-                self.sandbox_pool.ensure(image, n, **limits.kwargs())
+        self.reserve_sandboxes(tasks)
         sched = AsyncCollector(self, group_size=self.s.group_size, max_groups_in_flight=len(tasks),
                                max_concurrent_episodes=min(len(tasks) * self.s.group_size,
                                                            self.max_concurrent_episodes),
@@ -260,6 +254,21 @@ class Collector:
     def bind(self, run_id: str, step: int, images: dict[str, tuple[str, str]]) -> None:
         """Set what rows of episodes launched from now on record: run id, step, task images."""
         self._bound = (run_id, step, images)
+
+    def reserve_sandboxes(self, tasks: list[Task]) -> None:
+        """Declare to the warm pool the sandboxes of one group per task (``group_size`` each), by image and limits.
+
+        Images are the bound ones (:meth:`bind`); a code task is verified in ``code_image``. No pool: nothing.
+        """
+        if self.sandbox_pool is None:
+            return
+        images = self._bound[2]
+        demand: dict[tuple, int] = {}
+        for t in tasks:
+            key = (images.get(t.task_id, (self.code_image, ""))[0], t.limits)
+            demand[key] = demand.get(key, 0) + self.s.group_size
+        for (image, limits), n in demand.items():
+            self.sandbox_pool.ensure(image, n, **limits.kwargs())
 
     def run(self, job: EpisodeJob) -> dict:
         """Run one attempt start to end (:class:`~infra.rollout.scheduler.EpisodeRunner`).
