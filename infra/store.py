@@ -4,6 +4,12 @@ Layout: ``RunLayout.trajectories(step)`` (``{run}/trajectories/step-{step:06d}.p
 serialized fully in memory and sent in one PUT, so a crash mid-write leaves no partial object
 visible to readers (S3 makes an object visible only when its upload completes). Rewriting a
 step replaces its file: a step re-run after a crash never duplicates rows.
+
+Size limits: list columns use 64-bit offsets (``large_list``). A step holds up to
+``tasks_per_step * group_size * (1 + max_infra_retries)`` rows (every attempt; config maxima 1024 * 64 * 11),
+each of about ``model.max_model_len`` tokens (at most 32768, plus the last observation): ~2.4e10 elements
+in one column, past the 2**31 - 1 of 32-bit offsets. Row groups hold at most :data:`ROW_GROUP_TOKENS`
+tokens. Files written before (32-bit ``list``/``string`` types, :data:`TRAJECTORY_SCHEMA_32`) are cast on read.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import pyarrow.parquet as pq
 from infra.layout import RunLayout
 
 
-def _column(arrow_type: pa.DataType):
-    return field(metadata={"arrow": arrow_type})
+def _column(arrow_type: pa.DataType, before: pa.DataType | None = None):
+    """A column's Arrow type; ``before``: its type in files written with 32-bit offsets, where it differs."""
+    return field(metadata={"arrow": arrow_type, "before": before or arrow_type})
 
 
 @dataclass(frozen=True)
@@ -40,10 +47,13 @@ class Trajectory:
     group_id: str = _column(pa.string())  # GRPO siblings share it
     sample_index: int = _column(pa.int32())  # index within the group
     attempt: int = _column(pa.int32())  # 0, then 1.. for infra retries
-    token_ids: list[int] = _column(pa.list_(pa.int32()))  # every token as sent and sampled (T)
-    loss_mask: list[int] = _column(pa.list_(pa.int8()))  # 1 exactly on sampled tokens (T)
-    rollout_logprobs: list[float] = _column(pa.list_(pa.float32()))  # sampling logprobs; 0.0 where not sampled (T)
-    policy_versions: list[int] = _column(pa.list_(pa.int32()))  # sampling version per token; -1 if not sampled (T)
+    # Per-token columns (T): 64-bit offsets, see the module docstring; ``before`` is the 32-bit type read back.
+    token_ids: list[int] = _column(pa.large_list(pa.int32()), pa.list_(pa.int32()))  # every token as sent and sampled
+    loss_mask: list[int] = _column(pa.large_list(pa.int8()), pa.list_(pa.int8()))  # 1 exactly on sampled tokens
+    rollout_logprobs: list[float] = _column(  # sampling logprobs; 0.0 where not sampled
+        pa.large_list(pa.float32()), pa.list_(pa.float32()))
+    policy_versions: list[int] = _column(  # sampling version per token; -1 if not sampled
+        pa.large_list(pa.int32()), pa.list_(pa.int32()))
     min_policy_version: int = _column(pa.int32())  # over sampled tokens; -1 when none
     max_policy_version: int = _column(pa.int32())
     prompt_tokens: int = _column(pa.int32())  # the opening prompt's length
@@ -54,7 +64,8 @@ class Trajectory:
     stop_reason: str = _column(pa.string())  # of the last turn: stop or length
     agent_end: str = _column(pa.string())  # done, max_turns, agent_timeout, context_full, ...
     num_turns: int = _column(pa.int32())
-    commands: list[str] = _column(pa.list_(pa.string()))  # what a replay runs
+    # What a replay runs; its characters are sampled text, so a step's can pass 2 GiB too.
+    commands: list[str] = _column(pa.large_list(pa.large_string()), pa.list_(pa.string()))
     image: str = _column(pa.string())
     image_digest: str = _column(pa.string())
     seed: int = _column(pa.int64())
@@ -77,6 +88,13 @@ class Trajectory:
 
 TRAJECTORY_SCHEMA = pa.schema([(f.name, f.metadata["arrow"]) for f in fields(Trajectory)])
 """The Arrow schema of :class:`Trajectory`, enforced on write and read."""
+TRAJECTORY_SCHEMA_32 = pa.schema([(f.name, f.metadata["before"]) for f in fields(Trajectory)])
+""":data:`TRAJECTORY_SCHEMA` as files were written before 64-bit offsets (``list``, ``string``); read and cast."""
+ROW_GROUP_TOKENS = 2**24
+"""Most per-token elements in one row group. pyarrow's Parquet writer holds a row group's nested levels in
+memory (measured: 3.0 GiB peak writing 2**28 int8 elements as one row group, 0.6 GiB in groups of 2**24), so
+a worst-case step as one row group would not fit; capped, a 2**31 + 32768 element column wrote and read back
+at 2.7 GiB peak (pyarrow 26)."""
 _PER_TOKEN = ("loss_mask", "rollout_logprobs", "policy_versions")
 
 
@@ -117,11 +135,16 @@ def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
         SchemaError: see :func:`validate_rows`; a type mismatch is reported with the column.
     """
     validate_rows(rows)
-    return _put_table(fs, uri, rows, TRAJECTORY_SCHEMA, "rows do not match the trajectory schema")
+    longest = max((len(row["token_ids"]) for row in rows), default=0)
+    return _put_table(fs, uri, rows, TRAJECTORY_SCHEMA, "rows do not match the trajectory schema",
+                      row_group_rows=max(1, ROW_GROUP_TOKENS // max(longest, 1)))
 
 
-def _put_table(fs, uri: str, rows: Sequence[dict], schema: pa.Schema, mismatch: str) -> int:
+def _put_table(fs, uri: str, rows: Sequence[dict], schema: pa.Schema, mismatch: str,
+               row_group_rows: int | None = None) -> int:
     """Rows as one zstd Parquet object in a single PUT (visible whole or not at all); returns its size in bytes.
+
+    ``row_group_rows``: rows per row group (None: pyarrow's default, 1Mi rows).
 
     Raises:
         SchemaError: ``{uri}: {mismatch}: ...`` when a value does not fit ``schema``.
@@ -131,7 +154,7 @@ def _put_table(fs, uri: str, rows: Sequence[dict], schema: pa.Schema, mismatch: 
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise SchemaError(f"{uri}: {mismatch}: {e}") from e
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd", row_group_size=row_group_rows)
     data = buf.getvalue()
     fs.pipe_file(uri, data)
     return len(data)
@@ -158,25 +181,50 @@ def write_divergence(fs, uri: str, decisions: Sequence[dict]) -> int:
     return _put_table(fs, uri, decisions, DIVERGENCE_SCHEMA, "decisions do not match DIVERGENCE_SCHEMA")
 
 
+def _as_current(table: pa.Table, uri: str, columns: Sequence[str]) -> pa.Table:
+    """``table`` (``columns`` of a step file, in that order) in :data:`TRAJECTORY_SCHEMA`'s types.
+
+    A file with :data:`TRAJECTORY_SCHEMA_32`'s types is cast (offsets widened; the same Python values).
+
+    Raises:
+        SchemaError: the columns' types match neither schema.
+    """
+    current = pa.schema([TRAJECTORY_SCHEMA.field(c) for c in columns])
+    if table.schema.equals(current):
+        return table
+    if table.schema.equals(pa.schema([TRAJECTORY_SCHEMA_32.field(c) for c in columns])):
+        return table.cast(current)
+    raise SchemaError(f"{uri}: schema differs from TRAJECTORY_SCHEMA (and from TRAJECTORY_SCHEMA_32): "
+                      f"got {table.schema}")
+
+
 def read_step(fs, uri: str) -> pa.Table:
-    """Read one step file, checked against the declared schema."""
+    """Read one step file as :data:`TRAJECTORY_SCHEMA` (a file written before 64-bit offsets is cast).
+
+    Raises:
+        SchemaError: the file's schema is neither :data:`TRAJECTORY_SCHEMA` nor :data:`TRAJECTORY_SCHEMA_32`.
+    """
     fs.invalidate_cache()
     with fs.open(uri, "rb") as f:
         table = pq.read_table(f)
-    if not table.schema.equals(TRAJECTORY_SCHEMA):
-        raise SchemaError(f"{uri}: schema differs from TRAJECTORY_SCHEMA")
-    return table
+    if table.column_names != TRAJECTORY_SCHEMA.names:
+        raise SchemaError(f"{uri}: schema differs from TRAJECTORY_SCHEMA: columns {table.column_names}")
+    return _as_current(table, uri, TRAJECTORY_SCHEMA.names)
 
 
 def read_history(fs, layout: RunLayout, columns: Sequence[str]) -> pa.Table:
-    """Selected columns of every stored step of a run (empty table when none)."""
+    """Selected columns of every stored step of a run, in :data:`TRAJECTORY_SCHEMA`'s types (empty table when none).
+
+    Raises:
+        SchemaError: a file's columns have types of neither :data:`TRAJECTORY_SCHEMA` nor :data:`TRAJECTORY_SCHEMA_32`.
+    """
     fs.invalidate_cache()
     root = layout.trajectories_dir
     paths = sorted(p for p in (fs.glob(f"{root}/step-*.parquet") if fs.exists(root) else []))
     tables = []
     for p in paths:
         with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f, columns=list(columns)))
+            tables.append(_as_current(pq.read_table(f, columns=list(columns)), p, columns))
     if not tables:
         return TRAJECTORY_SCHEMA.empty_table().select(list(columns))
     return pa.concat_tables(tables)
