@@ -1,7 +1,7 @@
 """Asynchronous group scheduling for time to a trainable batch.
 
 The measure this module serves is *time to a trainable batch*: from asking for ``n`` complete
-groups until they are in hand, straggler tail included. Three mechanisms:
+groups until they are in hand, straggler tail included. Three mechanisms, and an optional fourth:
 
 - **Ready bank.** Every episode runs on its own worker; a group enters the bank the moment its
   last sibling finishes. :meth:`AsyncCollector.next_batch` takes eligible complete groups in
@@ -15,6 +15,12 @@ groups until they are in hand, straggler tail included. Three mechanisms:
   cancelled and recorded as ``infra_failure/episode_deadline``. A group with an infra failure is
   handled by ``infra_policy``: ``retry`` relaunches that member (a new attempt, up to
   ``max_infra_retries``, then the group is dropped), ``drop`` drops the group at once.
+- **Dynamic sampling** (optional: ``dynamic_sampling=True``; DAPO's, Yu et al. 2025). A group whose
+  rewards are all equal has every GRPO advantage 0, so it carries no gradient.
+  :meth:`AsyncCollector.next_batch` passes over such *zero-variance* groups and waits for groups
+  with signal, drawing on the groups over-provisioning keeps in flight; it skips at most
+  ``max_extra_groups`` per batch (dropped as ``zero_variance``, with their rows; never trained).
+  Past that bound, or when nothing more can come, they fill the batch, so a step is never wedged.
 
 Weight updates (:meth:`AsyncCollector.update_weights`) follow ``update_policy`` for episodes in
 flight: ``finish`` stops launching, lets in-flight episodes finish on the old weights, then
@@ -43,6 +49,8 @@ from typing import Any, Literal, Protocol
 log = logging.getLogger(__name__)
 
 InfraPolicy = Literal["retry", "drop"]
+#: Outcomes the trainer leaves out of the gradient (``infra.train.trainer.EXCLUDED_OUTCOMES``; not imported: torch).
+UNTRAINED_OUTCOMES = ("infra_failure", "unknown")
 UpdatePolicy = Literal["finish", "pause", "abort"]
 
 
@@ -127,12 +135,30 @@ class Group:
         """The G final rows, by sample index."""
         return [self.final[i].row for i in sorted(self.final)]
 
+    @property
+    def reward_varies(self) -> bool:
+        """Whether the group carries GRPO signal: its trained final rows' ``reward`` s are not all equal.
+
+        Trained rows: outcome not in :data:`UNTRAINED_OUTCOMES`, as the trainer selects them; fewer than
+        two such rows, or all rewards equal, give every advantage exactly 0 (``group_advantages``).
+
+        Raises:
+            ValueError: a trained final row has no ``reward`` (names the group and sample).
+        """
+        rows = [r for r in self.final_rows() if r["outcome"] not in UNTRAINED_OUTCOMES]
+        missing = [r["sample_index"] for r in rows if "reward" not in r]
+        if missing:
+            raise ValueError(f"group {self.group_id}: dynamic sampling needs each final row's 'reward'; "
+                             f"sample(s) {missing} have none")
+        return len({r["reward"] for r in rows}) > 1
+
 
 class ReadyBank:
     """Complete groups waiting for the trainer, in completion order.
 
     A group is eligible while ``current_version - group.min_policy_version <= max_policy_lag``;
-    :meth:`take` drops the ones past that bound (they are counted in ``dropped_stale``).
+    :meth:`take` and :meth:`take_with_signal` drop the ones past that bound (they are counted in
+    ``dropped_stale``).
     """
 
     def __init__(self, max_policy_lag: int):
@@ -168,7 +194,11 @@ class ReadyBank:
 
     def eligible(self, current_version: int) -> int:
         """Number of groups :meth:`take` could return now."""
-        return sum(self.lag(g, current_version) <= self.max_policy_lag for g in self._groups)
+        return len(self.eligible_groups(current_version))
+
+    def eligible_groups(self, current_version: int) -> list[Group]:
+        """The banked groups within the lag bound, in completion order (left in the bank)."""
+        return [g for g in self._groups if self.lag(g, current_version) <= self.max_policy_lag]
 
     def take(self, n: int, current_version: int, in_launch_order: bool = False) -> list[Group]:
         """Remove and return up to ``n`` eligible groups, first completed first.
@@ -181,6 +211,42 @@ class ReadyBank:
         self._groups = [g for g in self._groups if g not in taken]
         return taken
 
+    def usable(self, current_version: int, max_skip: int) -> int:
+        """Groups :meth:`take_with_signal` would put in a batch now if ``n`` were unbounded.
+
+        Eligible groups with signal, plus the zero-variance ones beyond the ``max_skip`` it would skip.
+        """
+        eligible = self.eligible_groups(current_version)
+        signal = sum(g.reward_varies for g in eligible)
+        return signal + max(0, len(eligible) - signal - max_skip)
+
+    def take_with_signal(self, n: int, current_version: int, max_skip: int,
+                         in_launch_order: bool = False) -> tuple[list[Group], list[Group]]:
+        """Remove and return ``(batch, skipped)`` for dynamic sampling (DAPO, Yu et al. 2025).
+
+        The batch is up to ``n`` eligible groups, those with signal (:attr:`Group.reward_varies`) first;
+        ``fill = min(n - signal, zero)`` zero-variance groups complete it when too few have signal. Of
+        the other zero-variance groups, the first ``min(max_skip, zero - fill)`` are skipped (marked
+        ``dropped = "zero_variance"``); the rest stay banked. Both lists in completion order (launch
+        order with ``in_launch_order``), stale groups dropped first as in :meth:`take`.
+
+        Raises:
+            ValueError: an eligible group's final row has no ``reward``.
+        """
+        self.expire(current_version)
+        pool = sorted(self._groups, key=lambda g: g.launch_index) if in_launch_order else list(self._groups)
+        signal = [g for g in pool if g.reward_varies]
+        zero = [g for g in pool if not g.reward_varies]
+        fill = min(max(0, n - len(signal)), len(zero))
+        n_skip = min(max_skip, len(zero) - fill)
+        skipped, chosen = zero[:n_skip], set(map(id, signal[:n] + zero[n_skip:n_skip + fill]))
+        taken = [g for g in pool if id(g) in chosen]
+        for g in skipped:
+            g.dropped = "zero_variance"
+        gone = chosen | set(map(id, skipped))
+        self._groups = [g for g in self._groups if id(g) not in gone]
+        return taken, skipped
+
 
 @dataclass
 class BatchResult:
@@ -190,8 +256,9 @@ class BatchResult:
         groups: the complete groups of the batch (``len == n``), each with its G final rows.
         rows: every attempt of the batch's groups (retried infra failures included): what the
             step's trajectory file records.
-        dropped: groups dropped since the previous batch (``group.dropped`` says why: ``stale``
-            or ``infra_failure:<reason>``), with the attempts they had; never trained on.
+        dropped: groups dropped since the previous batch (``group.dropped`` says why: ``stale``,
+            ``infra_failure:<reason>`` or ``zero_variance``, skipped by dynamic sampling), with the
+            attempts they had; never trained on (not in ``rows``: the caller stores them apart).
         metrics: per-batch scheduling figures (see :meth:`AsyncCollector.next_batch`).
     """
 
@@ -218,7 +285,8 @@ class AsyncCollector:
                  infra_policy: InfraPolicy = "retry", max_infra_retries: int = 1,
                  update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
                  policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
-                 first_launch_index: int = 0, retry_backoff_s: float = 0.0, keep_failed_members: bool = False):
+                 first_launch_index: int = 0, retry_backoff_s: float = 0.0, keep_failed_members: bool = False,
+                 dynamic_sampling: bool = False, max_extra_groups: int = 0):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -243,6 +311,9 @@ class AsyncCollector:
                 (0: at once), so an outage (a sandbox engine restarting) is not met with instant retries.
             keep_failed_members: a member out of retries ends with its failed attempt and its siblings run on
                 (a one-shot batch keeps every row: evaluation, sync mode); False drops the group (training).
+            dynamic_sampling: :meth:`next_batch` waits for groups with reward signal, skipping zero-variance
+                ones (module docstring); rows need a ``reward``. :meth:`run_all` is unaffected.
+            max_extra_groups: zero-variance groups skipped per batch at most (>= 0); past it they fill the batch.
 
         Raises:
             ValueError: a size or policy out of range.
@@ -253,6 +324,8 @@ class AsyncCollector:
             raise ValueError(f"infra_policy {infra_policy!r} / update_policy {update_policy!r} unknown")
         if episode_deadline_s <= 0:
             raise ValueError(f"episode_deadline_s must be > 0, got {episode_deadline_s}")
+        if max_extra_groups < 0:
+            raise ValueError(f"max_extra_groups must be >= 0, got {max_extra_groups}")
         self.runner, self.G, self.K = runner, group_size, max_groups_in_flight
         self.deadline_s, self.infra_policy, self.max_retries = episode_deadline_s, infra_policy, max_infra_retries
         self.update_policy, self.in_launch_order, self.prefetch = update_policy, in_launch_order, prefetch
@@ -266,6 +339,7 @@ class AsyncCollector:
         self._launched = first_launch_index
         self.retry_backoff_s = retry_backoff_s
         self.keep_failed_members = keep_failed_members
+        self.dynamic_sampling, self.max_extra_groups = dynamic_sampling, max_extra_groups
         self._delayed: list[tuple[float, Group, int, int]] = []  # (due on the clock, group, sample index, attempt)
         self._launching = True
         self._wanted = 0  # groups the current request still needs (prefetch=False bound)
@@ -319,52 +393,72 @@ class AsyncCollector:
         When every submitted group has finished or been dropped and fewer than ``n_groups`` are
         eligible, the batch is short (logged, counted in ``short_batches``) rather than failed.
 
+        With ``dynamic_sampling`` a group counts as ready when it has reward signal, or when it is a
+        zero-variance group beyond the ``max_extra_groups`` this batch may skip; when nothing more can
+        come, zero-variance groups fill the batch as well (:meth:`ReadyBank.take_with_signal`). Skipped
+        groups are in ``dropped`` as ``zero_variance``. Three more metrics then:
+        ``groups_skipped_zero_variance``, ``groups_filled_zero_variance`` (zero-variance groups in the
+        batch) and ``zero_variance_wait_s``: return time less the moment the ``n_groups``-th eligible
+        group of this call (banked at the call counting as complete then) was complete, i.e. the wait a
+        batch taking any groups in completion order would not have had (0 if it was not longer).
+
         Raises:
             TimeoutError: not enough groups within ``timeout_s`` (nothing is lost: groups stay banked).
             RuntimeError: nothing is pending or in flight and no group is eligible (the message lists
                 the dropped groups and their attempts' reasons).
+            ValueError: ``dynamic_sampling`` and a final row without ``reward`` (nothing is lost).
         """
         start = self.clock()
         with self._changed:
-            counters0 = self._counters_reported
-            self.bank.expire(self.policy_version)
-            carried_in = self.bank.eligible(self.policy_version)
-            self._wanted = n_groups
-            self._launch()
-            reported = -1
-            while (ready := self.bank.eligible(self.policy_version)) < n_groups:
-                if on_progress is not None and ready != reported:
-                    reported = ready
-                    self._unlocked(on_progress, ready, n_groups)
-                    continue  # the state may have changed while the callback ran: look again
-                if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
-                    why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
-                                    for g in self._dropped) or "none dropped"
-                    if ready == 0:
-                        self._wanted = 0
-                        raise RuntimeError(f"batch of {n_groups} groups impossible: none eligible, nothing pending "
-                                           f"or in flight; dropped groups: {why}")
-                    log.warning("short batch: %d of %d groups (nothing pending or in flight); dropped: %s",
-                                ready, n_groups, why)
-                    self.counters["short_batches"] += 1
-                    break
-                if timeout_s is not None and self.clock() - start > timeout_s:
-                    self._wanted = 0
-                    raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
-                self._changed.wait(timeout=0.5)
-            groups = self.bank.take(min(n_groups, self.bank.eligible(self.policy_version)), self.policy_version,
-                                    self.in_launch_order)
+            try:
+                counters0 = self._counters_reported
+                self.bank.expire(self.policy_version)
+                carried_in = self.bank.eligible(self.policy_version)
+                self._wanted = n_groups
+                self._launch()
+                reported = -1
+                while (ready := self._ready()) < n_groups:
+                    if on_progress is not None and ready != reported:
+                        reported = ready
+                        self._unlocked(on_progress, ready, n_groups)
+                        continue  # the state may have changed while the callback ran: look again
+                    if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
+                        eligible = self.bank.eligible(self.policy_version)
+                        if eligible >= n_groups:  # dynamic sampling: zero-variance groups fill the batch
+                            break
+                        why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
+                                        for g in self._dropped) or "none dropped"
+                        if eligible == 0:
+                            raise RuntimeError(f"batch of {n_groups} groups impossible: none eligible, nothing "
+                                               f"pending or in flight; dropped groups: {why}")
+                        log.warning("short batch: %d of %d groups (nothing pending or in flight); dropped: %s",
+                                    eligible, n_groups, why)
+                        self.counters["short_batches"] += 1
+                        break
+                    if timeout_s is not None and self.clock() - start > timeout_s:
+                        raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
+                    self._changed.wait(timeout=0.5)
+                skipped: list[Group] = []
+                if self.dynamic_sampling:
+                    groups, skipped = self.bank.take_with_signal(n_groups, self.policy_version,
+                                                                 self.max_extra_groups, self.in_launch_order)
+                else:
+                    groups = self.bank.take(n_groups, self.policy_version, self.in_launch_order)
+            finally:
+                self._wanted = 0
             end = self.clock()
-            self._wanted = 0
             self._launch()
             stale = self.bank.dropped_stale
-            dropped = self._dropped + stale
+            dropped = self._dropped + stale + skipped
             self._dropped, self.bank.dropped_stale = [], []
             self.counters["dropped_stale"] += len(stale)
+            self.counters["skipped_zero_variance"] += len(skipped)
             self._counters_reported = Counter(self.counters)
             rows = [r for g in groups for r in g.rows]
-            return BatchResult(groups, rows, dropped,
-                               self._metrics(groups, start, end, min(carried_in, n_groups), counters0))
+            metrics = self._metrics(groups, start, end, min(carried_in, n_groups), counters0)
+            if self.dynamic_sampling:
+                metrics.update(self._zero_variance_metrics(n_groups, groups, skipped, start, end))
+            return BatchResult(groups, rows, dropped, metrics)
 
     def run_all(self, on_progress: Callable[[int, int], None] | None = None) -> BatchResult:
         """Run every submitted group to its end (complete, or dropped after its retries) and return them all.
@@ -451,6 +545,22 @@ class AsyncCollector:
         self._pump.join(timeout=5)
 
     # -- internals -----------------------------------------------------------------------
+    def _ready(self) -> int:
+        """Banked groups the batch being asked for can use now (see :meth:`next_batch`)."""
+        if self.dynamic_sampling:
+            return self.bank.usable(self.policy_version, self.max_extra_groups)
+        return self.bank.eligible(self.policy_version)
+
+    def _zero_variance_metrics(self, n: int, groups: list[Group], skipped: list[Group], start: float,
+                               end: float) -> dict[str, float]:
+        """Dynamic sampling's figures of one batch (defined in :meth:`next_batch`)."""
+        seen = groups + skipped + self.bank.eligible_groups(self.policy_version)  # those left banked too
+        done = sorted(max(g.completed_s, start) for g in seen)
+        wait_s = max(0.0, end - done[n - 1]) if len(done) >= n else 0.0  # short either way: no wait to blame
+        return {"groups_skipped_zero_variance": len(skipped),
+                "groups_filled_zero_variance": sum(not g.reward_varies for g in groups),
+                "zero_variance_wait_s": wait_s}
+
     def _launch(self) -> None:
         if not self._launching or self._closed:
             return
