@@ -281,7 +281,8 @@ class Run:
                 max_concurrent_episodes=s.max_concurrent_episodes, max_policy_lag=s.max_policy_lag,
                 episode_deadline_s=s.episode_deadline_s, infra_policy=s.infra_policy,
                 max_infra_retries=r.max_infra_retries, update_policy=s.update_policy, prefetch=s.prefetch,
-                policy_version=self._policy.version, seed=r.seed, retry_backoff_s=s.retry_backoff_s)
+                policy_version=self._policy.version, seed=r.seed, retry_backoff_s=s.retry_backoff_s,
+                dynamic_sampling=s.dynamic_sampling, max_extra_groups=s.max_extra_groups)
         return self._collector
 
     # -- tasks and the catalog -----------------------------------------------------------------

@@ -13,7 +13,9 @@ from concurrent.futures import Future
 
 import pytest
 
+from infra.config import AsyncScheduler, RolloutConfig, RunConfig
 from infra.rollout.scheduler import UNTRAINED_OUTCOMES, AsyncCollector, Attempt, EpisodeJob, Group
+from infra.run import Run
 from tests.fakes import ManualClock
 
 T0 = ManualClock()()
@@ -250,3 +252,18 @@ def test_bad_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="max_extra_groups must be >= 0, got -1"):
         AsyncCollector(GroupGatedRunner(), group_size=2, max_groups_in_flight=2, max_concurrent_episodes=2,
                        max_extra_groups=-1)
+    with pytest.raises(ValueError, match=r"max_extra_groups\n  Input should be greater than or equal to 0"):
+        AsyncScheduler(max_extra_groups=-1)
+    with pytest.raises(ValueError, match="dynamic_sampling needs overprovision > 1"):
+        AsyncScheduler(dynamic_sampling=True)
+    assert (AsyncScheduler().dynamic_sampling, AsyncScheduler().max_extra_groups) == (False, 4)
+
+
+def test_the_runs_collector_gets_the_settings():
+    scheduler = AsyncScheduler(dynamic_sampling=True, overprovision=2.0, max_extra_groups=3)
+    run = Run(RunConfig(rollout=RolloutConfig(scheduler=scheduler)), fs=None)
+    run.episode_runner = GroupGatedRunner  # a fake: no engine, no sandboxes
+    try:
+        assert (run.collector.dynamic_sampling, run.collector.max_extra_groups) == (True, 3)
+    finally:
+        run.close()
