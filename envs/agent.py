@@ -16,6 +16,10 @@ SYSTEM_PROMPT = (
     "You are an agent working in a Linux shell. Each turn, reply with exactly one shell command "
     "in a ```bash code block; you will see its output. The working directory is /app. "
     "When the task is complete, reply with DONE."
+    # One worked exchange: SmolLM2-135M's first reply holds a bash block 80% of the time with it and
+    # 42% without (144 first turns over 5 multi-turn instructions, temperature 0.7, probed 2026-12-01).
+    "\n\nExample:\nuser: Show the files in /app.\nassistant: ```bash\nls /app\n```\n"
+    "user: notes.txt\n[exit code 0]\nassistant: DONE"
 )
 CODE_SYSTEM_PROMPT = "You are an expert Python programmer."
 

@@ -125,7 +125,7 @@ def test_unknown_key_in_a_kind_lists_that_kinds_keys(tmp_path):
         'expected one of (engine, kind = "inproc"): kind')
     assert _error(tmp_path, '[rollout.scheduler]\nkind = "async"\nprefech = true\n').startswith(
         "bad.toml: unknown key 'rollout.scheduler.prefech'; did you mean 'prefetch'? "
-        'expected one of (rollout.scheduler, kind = "async"): episode_deadline_s, infra_policy, kind,')
+        'expected one of (rollout.scheduler, kind = "async"): dynamic_sampling, episode_deadline_s, infra_policy,')
 
 
 def test_unknown_or_missing_kind_names_the_kinds(tmp_path):
@@ -161,3 +161,16 @@ def test_the_flat_keys_of_older_configs_say_where_they_went(tmp_path):
     assert _error(tmp_path, '[publish]\npattern = "direct"\n') == (
         "bad.toml: field 'publish.kind': missing; expected one of 'storage', 'direct', 'colocated' "
         "('publish.pattern' moved to 'publish.kind')")
+
+
+def test_top_k_is_off_by_default_and_out_of_range_is_named(tmp_path):
+    from infra.rollout.collector import CollectSettings
+
+    assert RunConfig().rollout.top_k == 0  # vLLM's value for "off"
+    p = tmp_path / "ok.toml"
+    p.write_text("[rollout]\ntop_k = 40\ntop_p = 0.9\n")
+    settings = CollectSettings.of(load_config(p).rollout)
+    assert (settings.top_k, settings.top_p) == (40, 0.9)
+    assert _error(tmp_path, "[rollout]\ntop_k = -1\n") == (
+        "bad.toml: field 'rollout.top_k': Input should be greater than or equal to 0 (got -1)")
+    assert _error(tmp_path, "[rollout]\ntop_k = 2.5\n").startswith("bad.toml: field 'rollout.top_k': ")
