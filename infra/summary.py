@@ -132,6 +132,7 @@ class StepSummary:
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
             **{k: m[k] for k in ("logprob_abs_diff", "kl_k1", "kl_k3", "ratio_p05", "ratio_p95", "tis_capped_frac",
                                  "tis_masked_frac", "rows_with_signal", "optimizer_step")},
+            "rows_trained": m.get("rows_trained", b.rows), "update_norm": m.get("update_norm"),
             "trainer_state_s": round(t.trainer_state_s, 2), "trainer_state_restored": t.trainer_state_restored,
             "checkpoint": p.checkpoint, "policy_version": p.version, "publish_pattern": p.pattern,
             "publish_latency_s": round(p.latency_s, 3), "upload_wait_s": round(p.upload_wait_s, 3),
@@ -176,6 +177,21 @@ class StepSummary:
         return format_summary(self.to_json())
 
 
+def learning_verdict(s: dict) -> str:
+    """Whether the step moved the weights, and why not, from a stored summary (first words of the step line).
+
+    ``learned``: the optimizer stepped on rows with a non-zero advantage (GRPO: a group's rewards
+    differ); ``update_norm`` is ||θ_after − θ_before|| (summaries from before it was recorded lack it).
+    ``did not learn``: no row carried signal (every group's rewards were equal), so the step was skipped.
+    """
+    rows = s.get("rows_trained", s.get("rows", 0))
+    signal = f"rows_with_signal={s['rows_with_signal']:.0f}/{rows:.0f}"
+    if not s.get("optimizer_step"):
+        return f"did not learn ({signal}: every group's rewards were equal, optimizer step skipped)"
+    norm = f" update_norm={s['update_norm']:.2e}" if s.get("update_norm") is not None else ""
+    return f"learned ({signal}{norm})"
+
+
 def format_summary(s: dict) -> str:
     """One line per step for the terminal, from a stored summary (:meth:`StepSummary.to_json`)."""
     outcomes = " ".join(f"{k}={v}" for k, v in sorted(s["outcomes"].items()))
@@ -185,11 +201,12 @@ def format_summary(s: dict) -> str:
     pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
     if s.get("eval_delta"):
         pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"
-    return (f"step {s['step']}: time_to_batch={s['time_to_batch_s']:.1f}s reward_mean={s['reward_mean']:.3f} "
+    return (f"step {s['step']}: {learning_verdict(s)} | time_to_batch={s['time_to_batch_s']:.1f}s "
+            f"reward_mean={s['reward_mean']:.3f} "
             f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
             f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
             f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
-            f"masked={s['tis_masked_frac']:.3f} rows_with_signal={s['rows_with_signal']:.0f} "
+            f"masked={s['tis_masked_frac']:.3f} "
             f"checkpoint={s['checkpoint']} publish[{s.get('publish_pattern', 'storage')}] "
             f"latency={s.get('publish_latency_s', 0):.1f}s pause={s.get('reload_pause_s', 0):.2f}s "
             f"eval {pass1} "

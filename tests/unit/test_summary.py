@@ -18,6 +18,7 @@ STORED_KEYS = {
     "straggler_tail_s", "engine_idle_s", "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in",
     "groups_dropped", "policy_lag_hist",
 }
+ADDED_KEYS = {"rows_trained", "update_norm"}  # since the step line says whether the step learned
 TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,
          "logprob_abs_diff": 2e-5, "kl_k1": 1e-6, "kl_k3": 3e-6, "tis_capped_frac": 0.0, "tis_masked_frac": 0.0,
          "ratio_p05": 0.999, "ratio_p50": 1.0, "ratio_p95": 1.001, "rows_dropped_divergence": 0.0,
@@ -40,7 +41,7 @@ def summary(trained: TrainStats | None = None) -> StepSummary:
 
 def test_stored_summary_keeps_every_key_it_had():
     stored = summary().to_json()
-    assert set(stored) - {"metrics"} == STORED_KEYS
+    assert set(stored) - {"metrics"} == STORED_KEYS | ADDED_KEYS
     # rounded as before: time to batch to 2 places, reward to 4, acquire to 3; the lag histogram by int lag
     assert (stored["time_to_batch_s"], stored["reward_mean"], stored["sandbox_acquire_p50_s"]) == (12.35, 0.25, 0.432)
     assert stored["policy_lag_hist"] == {0: 3, 1: 1} and stored["difficulty_s"] == 0.12
@@ -49,11 +50,20 @@ def test_stored_summary_keeps_every_key_it_had():
 
 def test_step_line_as_printed():
     line = summary().line()
-    assert line.startswith("step 2: time_to_batch=12.3s reward_mean=0.250 outcomes[model_failure=12 success=4] "
+    assert line.startswith("step 2: learned (rows_with_signal=4/8) | time_to_batch=12.3s reward_mean=0.250 "
+                           "outcomes[model_failure=12 success=4] "
                            "policy_lag_max=1 logprob_mismatch=2.00e-05 kl_k3=3.0e-06 ")
-    assert "rows_with_signal=4 checkpoint=s3://b/r/checkpoints/v3 publish[storage] latency=3.2s pause=0.50s" in line
+    assert "masked=0.000 checkpoint=s3://b/r/checkpoints/v3 publish[storage] latency=3.2s pause=0.50s" in line
     assert "eval pass@1=0.500 (vs previous: +0.250) episode_s p50/p90/max=5.0/9.0/11.0" in line
     assert line.endswith("(stages s: difficulty 0.12 rollout 13.0 train 20.0 publish+load 3.5 eval 4.0)")
+
+
+def test_step_line_says_whether_the_step_learned():
+    moved = summary(TrainStats({**TRAIN, "update_norm": 0.00123}, 1.0, 2.5, "v2")).line()
+    assert moved.startswith("step 2: learned (rows_with_signal=4/8 update_norm=1.23e-03) | ")
+    flat = {**TRAIN, "rows_with_signal": 0.0, "optimizer_step": 0.0, "grad_norm": 0.0, "update_norm": 0.0}
+    assert summary(TrainStats(flat, 1.0, 2.5, "v2")).line().startswith(
+        "step 2: did not learn (rows_with_signal=0/8: every group's rewards were equal, optimizer step skipped) | ")
 
 
 def test_metrics_are_namespaced_and_a_new_field_needs_only_its_record():
