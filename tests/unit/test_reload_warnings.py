@@ -1,0 +1,46 @@
+"""The reload-warning filter drops exactly vLLM's two expected "Failed to load weights" lines, only in its block."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from infra.rollout.reload_warnings import LAYERWISE_LOGGER, expected_reload_warnings_dropped
+
+
+def _passed(caplog, tied: bool | None, records: list[tuple[str, int, str, str]]) -> list[str]:
+    """Log ``(logger, level, msg, arg)`` records (inside the filter's block unless ``tied`` is None); what came out."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        if tied is None:
+            for name, level, msg, arg in records:
+                logging.getLogger(name).log(level, msg, arg)
+        else:
+            with expected_reload_warnings_dropped(tied):
+                for name, level, msg, arg in records:
+                    logging.getLogger(name).log(level, msg, arg)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_drops_the_two_expected_warnings_and_passes_the_rest(caplog):
+    w, fail = logging.WARNING, "%s: Failed to load weights"
+    records = [(LAYERWISE_LOGGER, w, fail, "RotaryEmbedding"), (LAYERWISE_LOGGER, w, fail, "ParallelLMHead"),
+               (LAYERWISE_LOGGER, w, fail, "LlamaMLP"),  # a layer that should have loaded: kept
+               (LAYERWISE_LOGGER, w, "%s: Excessive loading", "RotaryEmbedding"),
+               (LAYERWISE_LOGGER, logging.ERROR, fail, "RotaryEmbedding"),  # not the warning vLLM prints
+               ("vllm.other", w, fail, "RotaryEmbedding")]  # another logger
+    kept = ["LlamaMLP: Failed to load weights", "RotaryEmbedding: Excessive loading",
+            "RotaryEmbedding: Failed to load weights", "RotaryEmbedding: Failed to load weights"]
+    assert _passed(caplog, True, records) == kept
+    # Untied: a head missing from the checkpoint keeps stale weights, so its warning shows.
+    assert _passed(caplog, False, records) == ["ParallelLMHead: Failed to load weights", *kept]
+    # Outside the block nothing is dropped.
+    assert _passed(caplog, None, records) == [r[2] % r[3] for r in records]
+    assert logging.getLogger(LAYERWISE_LOGGER).filters == []
+
+
+def test_filter_removed_when_the_reload_raises():
+    with pytest.raises(RuntimeError, match="reload failed"), expected_reload_warnings_dropped(True):
+        raise RuntimeError("reload failed")
+    assert logging.getLogger(LAYERWISE_LOGGER).filters == []
