@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from infra.rollout.reload_warnings import expected_reload_warnings_dropped
+
 
 @dataclass(frozen=True)
 class SampleRequest:
@@ -207,12 +209,14 @@ class VLLMEngine:
     def load_weights(self, hf_dir: str, policy_version: int) -> float:
         """Hot-load weights from an HF safetensors folder without restarting; returns the pause in s.
 
-        The prefix cache is reset (cached KV was computed by the old weights).
+        The prefix cache is reset (cached KV was computed by the old weights). vLLM's expected
+        "Failed to load weights" warnings are dropped (``infra.rollout.reload_warnings``).
         """
         with self._lock:
             start = time.monotonic()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
-            self.llm.collective_rpc(_repack_tied_lm_head)
+            with expected_reload_warnings_dropped(self.llm.model_config.hf_config.tie_word_embeddings):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+                self.llm.collective_rpc(_repack_tied_lm_head)
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
@@ -226,8 +230,9 @@ class VLLMEngine:
         """
         with self._lock:
             start = time.monotonic()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
-            self.llm.collective_rpc(_repack_tied_lm_head)
+            with expected_reload_warnings_dropped(self.llm.model_config.hf_config.tie_word_embeddings):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
+                self.llm.collective_rpc(_repack_tied_lm_head)
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
