@@ -132,7 +132,10 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0, le=2.0)
     """Sampling temperature; stored logprobs are those of this tempered distribution."""
     top_p: float = Field(1.0, gt=0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass (1: off). Applied after temperature and top-k; stored logprobs and the
+    trainer's are those of the truncated, renormalised distribution (``infra.train.grpo.kept_tokens``)."""
+    top_k: int = Field(0, ge=0)
+    """Most likely tokens kept before top-p (0: off, vLLM's value for off; ``>=`` the vocabulary is off too)."""
     max_tokens_per_turn: int = Field(192, ge=1, le=8192)
     """Tokens the model may sample in one turn."""
     max_turns: int = Field(4, ge=1, le=64)

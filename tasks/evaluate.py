@@ -50,7 +50,7 @@ def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
     r, e = config.rollout, config.eval
     settings = CollectSettings(group_size=e.samples_per_task, temperature=e.temperature, top_p=1.0,
                                max_tokens_per_turn=e.max_tokens, max_turns=r.max_turns, seed=r.seed,
-                               max_infra_retries=r.max_infra_retries)
+                               max_infra_retries=r.max_infra_retries, top_k=0)
     version = run.policy.version
     rows = run.episode_runner(settings).collect(f"{config.run_id}-eval", version,
                                                 [run.tasks[x.task_id] for x in held_out], run.catalog.images("eval"))

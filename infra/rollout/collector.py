@@ -104,12 +104,13 @@ class CollectSettings:
     max_turns: int
     seed: int
     max_infra_retries: int
+    top_k: int = 0  # 0: off (vLLM's value); last so positional callers keep their meaning
 
     @classmethod
     def of(cls, r) -> CollectSettings:
         """From a ``RolloutConfig``."""
         return cls(r.group_size, r.temperature, r.top_p, r.max_tokens_per_turn, r.max_turns, r.seed,
-                   r.max_infra_retries)
+                   r.max_infra_retries, top_k=r.top_k)
 
 
 class _EpisodeIO:
@@ -145,7 +146,7 @@ class _EpisodeIO:
             e.agent_end = "context_full"
             return None
         request = SampleRequest(e.token_ids, min(s.max_tokens_per_turn, room), s.temperature, s.top_p,
-                                e.seed + 7919 * e.num_turns)
+                                e.seed + 7919 * e.num_turns, top_k=s.top_k)
         start = time.monotonic()
         try:
             (sample,) = self.runner.engine.generate([request], [e.episode_id])

