@@ -97,17 +97,13 @@ class AsyncScheduler(_Strict):
     """Episodes running at once (worker threads); the engine batches their requests."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (Yu et al. 2025): a batch waits for groups whose rewards differ, passing over
-    zero-variance ones (every advantage 0); needs ``overprovision > 1``, whose extra groups replace them."""
+    zero-variance ones (every advantage 0); each one passed over is replaced by a fresh group of the
+    step's tasks (within the in-flight bound), so any ``overprovision`` works, 1 included; extra groups
+    over-provisioning keeps in flight count as replacements too."""
     max_extra_groups: int = Field(4, ge=0, le=4096)
-    """Zero-variance groups skipped per batch at most (stored in ``dropped/``, never trained); past it, or
-    when no group is left in flight, zero-variance groups fill the batch, so a step never waits forever."""
-
-    @model_validator(mode="after")
-    def _check_dynamic_sampling(self):
-        if self.dynamic_sampling and self.overprovision <= 1.0:
-            raise ValueError("rollout.scheduler.dynamic_sampling needs overprovision > 1 (the extra groups in "
-                             f"flight are what replaces a skipped group), got overprovision = {self.overprovision}")
-        return self
+    """Zero-variance groups skipped, and fresh groups submitted to replace them, per batch at most (skipped
+    ones are stored in ``dropped/``, never trained); past it, or when no group is left in flight,
+    zero-variance groups fill the batch, so a step never waits forever."""
 
 
 class SyncScheduler(_Strict):

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 #: Scheduler batch metrics carried into the summary (async collector only), rounded to 3 decimals.
 SCHEDULING_KEYS = ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler_tail_s", "engine_idle_s",
                    "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in", "groups_dropped",
-                   "groups_skipped_zero_variance", "groups_filled_zero_variance", "zero_variance_wait_s")
+                   "groups_skipped_zero_variance", "groups_filled_zero_variance", "groups_refilled",
+                   "zero_variance_wait_s")
 
 
 @dataclass(frozen=True)

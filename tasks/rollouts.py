@@ -86,7 +86,14 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
                    on_progress) -> tuple[list[dict], list[dict], dict]:
-    """Submit this step's groups to the run's asynchronous collector and take one batch from it."""
+    """Submit this step's groups to the run's asynchronous collector and take one batch from it.
+
+    With dynamic sampling the collector replaces each zero-variance group it skips by a refill
+    (``{prefix}/{task}/r{k}``): this step's tasks in turn, passing over the tasks whose groups came back
+    zero-variance in this batch while any other is left. Refills are not in the sandbox reservation:
+    the warm pool keeps the declared demand per image ready (topped up after every acquire), and an
+    acquire beyond it starts a sandbox cold (``WarmPool.acquire``), so a refill is slower, never refused.
+    """
     sched = run.collector
     sched.runner.bind(run.config.run_id, step, images)
     room = sched.room()
@@ -96,11 +103,24 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
              for k, t in zip(range(max(0, room - len(chosen))), itertools.cycle(task_ids), strict=False)]
     groups = (chosen + extra)[:room]
     sched.runner.reserve_sandboxes([t for _, t in groups])  # this step's sandbox demand per image
+    zero_variance: set[str] = set()  # task ids whose groups came back zero-variance in this batch
+    turn, refills = itertools.count(), itertools.count()
+
+    def refill(skipped) -> tuple[str, object] | None:
+        zero_variance.add(skipped.task.task_id)
+        if not task_ids:
+            return None
+        for _ in task_ids:  # the next task in turn, not zero-variance unless every one is
+            t = task_ids[next(turn) % len(task_ids)]
+            if t not in zero_variance or zero_variance.issuperset(task_ids):
+                break
+        return f"{prefix}/{t}/r{next(refills)}", run.tasks[t]
+
     engine = run.engine
     tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
     cache0 = engine.prefix_cache()
     sched.submit(groups)
-    batch = sched.next_batch(len(task_ids), on_progress=on_progress)
+    batch = sched.next_batch(len(task_ids), on_progress=on_progress, refill=refill)
     wall, busy = time.monotonic() - t0, engine.busy_s - busy0
     dropped = [row for g in batch.dropped for row in g.rows]
     metrics = dict(batch.metrics)

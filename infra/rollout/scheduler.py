@@ -18,9 +18,11 @@ groups until they are in hand, straggler tail included. Three mechanisms, and an
 - **Dynamic sampling** (optional: ``dynamic_sampling=True``; DAPO's, Yu et al. 2025). A group whose
   rewards are all equal has every GRPO advantage 0, so it carries no gradient.
   :meth:`AsyncCollector.next_batch` passes over such *zero-variance* groups and waits for groups
-  with signal, drawing on the groups over-provisioning keeps in flight; it skips at most
-  ``max_extra_groups`` per batch (dropped as ``zero_variance``, with their rows; never trained).
-  Past that bound, or when nothing more can come, they fill the batch, so a step is never wedged.
+  with signal, drawing on the groups over-provisioning keeps in flight and, given a ``refill``
+  callable, on one fresh group submitted per skipped group (DAPO's over-sampling), so over-provisioning
+  is not needed; it skips at most ``max_extra_groups`` per batch (dropped as ``zero_variance``, with
+  their rows; never trained). Past that bound, or when nothing more can come, they fill the batch,
+  so a step is never wedged.
 
 Weight updates (:meth:`AsyncCollector.update_weights`) follow ``update_policy`` for episodes in
 flight: ``finish`` stops launching, lets in-flight episodes finish on the old weights, then
@@ -220,6 +222,20 @@ class ReadyBank:
         signal = sum(g.reward_varies for g in eligible)
         return signal + max(0, len(eligible) - signal - max_skip)
 
+    def skip_candidates(self, current_version: int, max_skip: int, in_launch_order: bool = False) -> list[Group]:
+        """The eligible zero-variance groups :meth:`take_with_signal` would skip first, at most ``max_skip``.
+
+        In its order (completion order, launch order with ``in_launch_order``); left in the bank. A group
+        listed here is only skipped if the batch does not need it to fill up.
+
+        Raises:
+            ValueError: an eligible group's final row has no ``reward``.
+        """
+        pool = self.eligible_groups(current_version)
+        if in_launch_order:
+            pool.sort(key=lambda g: g.launch_index)
+        return [g for g in pool if not g.reward_varies][:max_skip]
+
     def take_with_signal(self, n: int, current_version: int, max_skip: int,
                          in_launch_order: bool = False) -> tuple[list[Group], list[Group]]:
         """Remove and return ``(batch, skipped)`` for dynamic sampling (DAPO, Yu et al. 2025).
@@ -314,6 +330,7 @@ class AsyncCollector:
             dynamic_sampling: :meth:`next_batch` waits for groups with reward signal, skipping zero-variance
                 ones (module docstring); rows need a ``reward``. :meth:`run_all` is unaffected.
             max_extra_groups: zero-variance groups skipped per batch at most (>= 0); past it they fill the batch.
+                Also the most fresh groups one :meth:`next_batch` submits through its ``refill``.
 
         Raises:
             ValueError: a size or policy out of range.
@@ -379,7 +396,8 @@ class AsyncCollector:
         return len(self._pending)
 
     def next_batch(self, n_groups: int, timeout_s: float | None = None,
-                   on_progress: Callable[[int, int], None] | None = None) -> BatchResult:
+                   on_progress: Callable[[int, int], None] | None = None,
+                   refill: Callable[[Group], tuple[str, Any] | None] | None = None) -> BatchResult:
         """Wait until ``n_groups`` eligible complete groups are ready and return them.
 
         Metrics: ``time_to_batch_s`` (call to return), ``episode_s_p50/p90/max`` (batch rows'
@@ -396,17 +414,30 @@ class AsyncCollector:
         With ``dynamic_sampling`` a group counts as ready when it has reward signal, or when it is a
         zero-variance group beyond the ``max_extra_groups`` this batch may skip; when nothing more can
         come, zero-variance groups fill the batch as well (:meth:`ReadyBank.take_with_signal`). Skipped
-        groups are in ``dropped`` as ``zero_variance``. Three more metrics then:
+        groups are in ``dropped`` as ``zero_variance``. Four more metrics then:
         ``groups_skipped_zero_variance``, ``groups_filled_zero_variance`` (zero-variance groups in the
-        batch) and ``zero_variance_wait_s``: return time less the moment the ``n_groups``-th eligible
-        group of this call (banked at the call counting as complete then) was complete, i.e. the wait a
-        batch taking any groups in completion order would not have had (0 if it was not longer).
+        batch), ``groups_refilled`` (fresh groups submitted through ``refill``, below) and
+        ``zero_variance_wait_s``: return time less the moment the ``n_groups``-th eligible group of
+        this call (banked at the call counting as complete then) was complete, i.e. the wait a batch
+        taking any groups in completion order would not have had (0 if it was not longer).
+
+        ``refill`` (dynamic sampling only; ignored, never called, without it): while the batch waits,
+        each banked zero-variance group this batch would skip (:meth:`ReadyBank.skip_candidates`)
+        gets one fresh group in its place: ``refill(that group)`` returns the ``(group_id, task)`` to
+        submit, or None when there is nothing more (then it is not called again this batch). At most
+        ``max_extra_groups`` per call, and only while pending, running and eligible banked groups,
+        less those skip candidates (they never train), number fewer than ``max_groups_in_flight``:
+        the bound :meth:`room` applies, so a refill launches at once. It is called without the
+        scheduler's lock. Refills still in flight when the batch is returned run on and carry over
+        like any surplus group. A zero-variance group refilled for may still fill the batch when
+        nothing more can come, so ``groups_refilled`` can exceed ``groups_skipped_zero_variance``.
 
         Raises:
             TimeoutError: not enough groups within ``timeout_s`` (nothing is lost: groups stay banked).
             RuntimeError: nothing is pending or in flight and no group is eligible (the message lists
                 the dropped groups and their attempts' reasons).
-            ValueError: ``dynamic_sampling`` and a final row without ``reward`` (nothing is lost).
+            ValueError: ``dynamic_sampling`` and a final row without ``reward`` (nothing is lost), or
+                ``refill`` returned a group id already pending or in flight.
         """
         start = self.clock()
         with self._changed:
@@ -417,7 +448,19 @@ class AsyncCollector:
                 self._wanted = n_groups
                 self._launch()
                 reported = -1
+                draw = refill if self.dynamic_sampling else None
+                asked_for: list[Group] = []  # zero-variance groups refill was called for, in order
+                refilled = 0  # fresh groups submitted
                 while (ready := self._ready()) < n_groups:
+                    if draw is not None and (owed := self._owed_refill(asked_for)) is not None:
+                        asked_for.append(owed)
+                        fresh = self._unlocked(draw, owed)
+                        if fresh is None:
+                            draw = None  # nothing more: wait, then fill, as without refills
+                        else:
+                            self._submit_refill(fresh)
+                            refilled += 1
+                        continue  # the state may have changed while the callback ran: look again
                     if on_progress is not None and ready != reported:
                         reported = ready
                         self._unlocked(on_progress, ready, n_groups)
@@ -453,11 +496,13 @@ class AsyncCollector:
             self._dropped, self.bank.dropped_stale = [], []
             self.counters["dropped_stale"] += len(stale)
             self.counters["skipped_zero_variance"] += len(skipped)
+            self.counters["refilled"] += refilled
             self._counters_reported = Counter(self.counters)
             rows = [r for g in groups for r in g.rows]
             metrics = self._metrics(groups, start, end, min(carried_in, n_groups), counters0)
             if self.dynamic_sampling:
                 metrics.update(self._zero_variance_metrics(n_groups, groups, skipped, start, end))
+                metrics["groups_refilled"] = refilled
             return BatchResult(groups, rows, dropped, metrics)
 
     def run_all(self, on_progress: Callable[[int, int], None] | None = None) -> BatchResult:
@@ -550,6 +595,29 @@ class AsyncCollector:
         if self.dynamic_sampling:
             return self.bank.usable(self.policy_version, self.max_extra_groups)
         return self.bank.eligible(self.policy_version)
+
+    def _owed_refill(self, asked_for: list[Group]) -> Group | None:
+        """The first skip candidate of this batch no refill was asked for yet, if a refill may go now.
+
+        None when ``max_extra_groups`` refills were asked for, or when submitting one would break the
+        :meth:`room` bound (pending, running and eligible banked groups, skip candidates not counted).
+        """
+        if len(asked_for) >= self.max_extra_groups:
+            return None
+        candidates = self.bank.skip_candidates(self.policy_version, self.max_extra_groups, self.in_launch_order)
+        held = len(self._pending) + len(self._groups) + self.bank.eligible(self.policy_version) - len(candidates)
+        if held >= self.K:
+            return None
+        asked = set(map(id, asked_for))
+        return next((g for g in candidates if id(g) not in asked), None)
+
+    def _submit_refill(self, fresh: tuple[str, Any]) -> None:
+        """Queue and launch one refill group (``ValueError`` if its id is already pending or in flight)."""
+        group_id = fresh[0]
+        if group_id in self._groups or any(gid == group_id for gid, _ in self._pending):
+            raise ValueError(f"refill returned group id {group_id!r}, already pending or in flight")
+        self._pending.append(fresh)
+        self._launch()
 
     def _zero_variance_metrics(self, n: int, groups: list[Group], skipped: list[Group], start: float,
                                end: float) -> dict[str, float]:
@@ -654,11 +722,11 @@ class AsyncCollector:
             except Exception:  # noqa: BLE001 - the group must not wait forever on a lost attempt
                 self._drop_after_error(job, "recording a deadline")
 
-    def _unlocked(self, fn: Callable, *args) -> None:
-        """Call ``fn(*args)`` with the scheduler's lock released (held again on return)."""
+    def _unlocked(self, fn: Callable, *args) -> Any:
+        """Return ``fn(*args)``, called with the scheduler's lock released (held again on return)."""
         self._changed.release()
         try:
-            fn(*args)
+            return fn(*args)
         finally:
             self._changed.acquire()
 
