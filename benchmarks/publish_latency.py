@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     root = f"s3://agentrl/bench/publish-{uuid.uuid4().hex[:8]}"
     scratch = Path(tempfile.mkdtemp(prefix="publish-bench-"))
     trainer = GRPOTrainer(model_dir, lr=1e-5, zero_stage=2, grad_clip=1.0, micro_batch_rows=4, tis_cap=2.0,
-                          temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=1024)
+                          temperature=1.0, top_p=1.0, top_k=0, scale_by_std=False, mask_truncated=False,
+                          max_seq_len=1024)
     engine = VLLMEngine(model_dir, max_model_len=1024, kv_cache_gib=1.0)
     server_engine, servers = None, []
     if args.servers:

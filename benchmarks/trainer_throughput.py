@@ -69,8 +69,8 @@ def deepspeed_steps(model_dir: str, rows: list[dict], micro_batch_rows: int, ste
     from infra.train.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(model_dir, lr=1e-6, zero_stage=zero_stage, grad_clip=1.0,
-                          micro_batch_rows=micro_batch_rows, tis_cap=2.0, temperature=1.0, scale_by_std=False,
-                          mask_truncated=False, max_seq_len=4096)
+                          micro_batch_rows=micro_batch_rows, tis_cap=2.0, temperature=1.0, top_p=1.0, top_k=0,
+                          scale_by_std=False, mask_truncated=False, max_seq_len=4096)
     times = []
     for _ in range(steps):
         start = time.monotonic()

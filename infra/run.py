@@ -227,6 +227,7 @@ class Run:
             self._trainer = GRPOTrainer(self._policy.weights_dir, lr=t.lr, zero_stage=t.zero_stage,
                                         grad_clip=t.grad_clip, micro_batch_rows=t.micro_batch_rows,
                                         tis_cap=t.tis_cap, temperature=self.config.rollout.temperature,
+                                        top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
                                         scale_by_std=t.scale_by_std, mask_truncated=t.mask_truncated,
                                         max_seq_len=t.max_seq_len, tis_level=t.tis_level,
                                         mask_ratio_low=t.mask_ratio_low, mask_ratio_high=t.mask_ratio_high,

@@ -2,8 +2,10 @@
 
 One step reads trajectory rows, keeps the eligible ones (not ``infra_failure``, not ``unknown``),
 computes group advantages, and runs micro-batches with a global token denominator, then one
-optimizer step. Logits are computed only at positions in the loss (sampled tokens): the
-``(B, T, V)`` logits of prompts and observations would dominate memory. Gradient accumulation
+optimizer step. Token logprobs are those of the distribution the rollout engine sampled from
+(temperature, top-k, top-p: ``infra.train.grpo.sampling_logprobs``). Logits are computed only at
+positions in the loss (sampled tokens): the ``(B, T, V)`` logits of prompts and observations would
+dominate memory. Gradient accumulation
 is caller-owned (``managed_gradient_accumulation=false``): each micro-batch's loss is already
 divided by the step's token count, so DeepSpeed must not rescale it.
 """
@@ -21,8 +23,9 @@ from infra.train.grpo import (
     divergence_row_weights,
     group_advantages,
     row_divergence,
+    sampling_logprobs,
+    sampling_truncation_on,
     tis_policy_loss,
-    token_logprobs,
 )
 
 EXCLUDED_OUTCOMES = ("infra_failure", "unknown")
@@ -43,12 +46,17 @@ class GRPOTrainer:
     """A policy model wrapped in a DeepSpeed engine, trained one GRPO step at a time."""
 
     def __init__(self, model_dir: str, lr: float, zero_stage: int, grad_clip: float, micro_batch_rows: int,
-                 tis_cap: float, temperature: float, scale_by_std: bool, mask_truncated: bool,
+                 tis_cap: float, temperature: float, top_p: float, top_k: int, scale_by_std: bool,
+                 mask_truncated: bool,
                  max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
                  mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean",
                  divergence_threshold: float | None = None, divergence_estimator: str = "k3",
                  divergence_action: str = "drop"):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
+
+        ``temperature``, ``top_p`` and ``top_k`` are the rollout's sampling parameters (``top_p`` 1 and
+        ``top_k`` 0 off): the trainer's logprobs are those of the same truncated, renormalised
+        distribution, so the importance ratio is 1 at unchanged weights.
 
         ``forward_dtype="bfloat16"`` runs forward and backward in bf16 (DeepSpeed ``bf16``), matching a
         bf16 rollout engine, while the optimizer keeps fp32 master weights. Initializes
@@ -58,10 +66,11 @@ class GRPOTrainer:
         of the last step is in ``last_row_decisions``.
 
         Raises:
-            ValueError: an unknown divergence estimator or action.
+            ValueError: an unknown divergence estimator or action, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
         """
         if divergence_estimator not in ("k1", "k3") or divergence_action not in ("drop", "downweight"):
             raise ValueError(f"divergence estimator {divergence_estimator!r} / action {divergence_action!r} unknown")
+        sampling_truncation_on(top_k, top_p, 1)  # validates them
         import deepspeed
         import torch
         import torch.distributed as dist
@@ -89,7 +98,7 @@ class GRPOTrainer:
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
         self.micro_batch_rows = micro_batch_rows
-        self.tis_cap, self.temperature = tis_cap, temperature
+        self.tis_cap, self.temperature, self.top_p, self.top_k = tis_cap, temperature, top_p, top_k
         self.tis_level, self.mask_ratio_low, self.mask_ratio_high = tis_level, mask_ratio_low, mask_ratio_high
         self.scale_by_std, self.mask_truncated = scale_by_std, mask_truncated
         self.max_seq_len = max_seq_len
@@ -106,7 +115,8 @@ class GRPOTrainer:
             (0 when no row carries signal: the step is skipped rather than moving weights on
             optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
             (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
-            (of loss tokens), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
+            (of loss tokens), ``unkept_frac`` (of loss tokens: outside the trainer's top-k/top-p set,
+            weight 0, see ``tis_policy_loss``), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
             ``missing_logprobs``, ``rows_dropped_divergence``, ``rows_downweighted_divergence``, ``train_s``.
         """
         import torch
@@ -123,7 +133,7 @@ class GRPOTrainer:
             masks.append(m[1:])  # position 0 is never predicted
         total_tokens = int(sum(m.sum() for m in masks))
         self.last_row_decisions = []
-        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing"), 0.0)
+        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing", "unkept"), 0.0)
         ratios = []
         loss_value = 0.0
         self.engine.train()
@@ -162,6 +172,7 @@ class GRPOTrainer:
             "kl_k3": sums["k3"] / tokens,
             "tis_capped_frac": sums["capped"] / max(total_tokens, 1),
             "tis_masked_frac": sums["masked"] / max(total_tokens, 1),
+            "unkept_frac": sums["unkept"] / max(total_tokens, 1),
             "ratio_p05": float(q05), "ratio_p50": float(q50), "ratio_p95": float(q95),
             "missing_logprobs": sums["missing"],
             "rows_dropped_divergence": float(sum(d["decision"] == "drop" for d in self.last_row_decisions)),
@@ -191,12 +202,14 @@ class GRPOTrainer:
         hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         sel = mask.bool()
         logits = self.engine.module.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
-        lp = token_logprobs(logits, ids[:, 1:][sel], self.temperature)
+        lp, kept = sampling_logprobs(logits, ids[:, 1:][sel], self.temperature, self.top_k, self.top_p)
         row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
-        row_weight = self._divergence_decisions(rows, idx, lp, rollout[sel], row_ids)
+        # a token outside the kept set has no finite log ratio: left out of the KL estimates (counted in unkept)
+        known_rollout = torch.where(kept, rollout[sel], torch.full_like(rollout[sel], float("nan")))
+        row_weight = self._divergence_decisions(rows, idx, lp, known_rollout, row_ids)
         return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap, level=self.tis_level,
                                row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high,
-                               row_weight=row_weight)
+                               row_weight=row_weight, kept=kept)
 
     def _divergence_decisions(self, rows: list[dict], idx: list[int], lp, rollout, row_ids):
         """Per-row KL estimates of this micro-batch, recorded with the decision; the row weights (None: off)."""

@@ -21,12 +21,14 @@ def _rows(tokenizer):
     return rows
 
 
-def _trainer(model_dir, micro_batch_rows, zero_stage=2, forward_dtype="float32"):
+def _trainer(model_dir, micro_batch_rows, zero_stage=2, forward_dtype="float32", temperature=1.0, top_p=1.0,
+             top_k=0):
     from infra.train.trainer import GRPOTrainer
 
     return GRPOTrainer(str(model_dir), lr=1e-3, zero_stage=zero_stage, grad_clip=1e9,
-                       micro_batch_rows=micro_batch_rows, tis_cap=2.0, temperature=1.0, scale_by_std=False,
-                       mask_truncated=False, max_seq_len=512, forward_dtype=forward_dtype)
+                       micro_batch_rows=micro_batch_rows, tis_cap=2.0, temperature=temperature, top_p=top_p,
+                       top_k=top_k, scale_by_std=False, mask_truncated=False, max_seq_len=512,
+                       forward_dtype=forward_dtype)
 
 
 def _assert_strict_export(trainer, out_dir):
@@ -116,8 +118,9 @@ def test_divergence_beyond_threshold_drops_the_row_and_records_the_decision(tiny
     rows[0]["rollout_logprobs"] = [0.0 if m == 0 else -0.01 for m in rows[0]["loss_mask"]]
     rows[1]["rollout_logprobs"] = [0.0 if m == 0 else float("nan") for m in rows[1]["loss_mask"]]
     trainer = GRPOTrainer(str(tiny_model), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=2, tis_cap=2.0,
-                          temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
-                          divergence_threshold=3.0, divergence_estimator="k1", divergence_action="drop")
+                          temperature=1.0, top_p=1.0, top_k=0, scale_by_std=False, mask_truncated=False,
+                          max_seq_len=512, divergence_threshold=3.0, divergence_estimator="k1",
+                          divergence_action="drop")
     m = trainer.step(rows)
     by_id = {d["episode_id"]: d for d in trainer.last_row_decisions}
     assert set(by_id) == {"e0", "e1", "e2", "e3"}
@@ -126,5 +129,58 @@ def test_divergence_beyond_threshold_drops_the_row_and_records_the_decision(tiny
     assert m["rows_dropped_divergence"] == 1.0 and m["rows_downweighted_divergence"] == 0.0
     with pytest.raises(ValueError, match="divergence estimator"):
         GRPOTrainer(str(tiny_model), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=2, tis_cap=2.0,
-                    temperature=1.0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
+                    temperature=1.0, top_p=1.0, top_k=0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
                     divergence_estimator="k2")
+
+
+def _truncated_rows(model_dir, tokenizer, temperature, top_k, top_p):
+    """Rows sampled from the tiny model's truncated distribution, with its logprobs as the rollout's."""
+    from transformers import AutoModelForCausalLM
+
+    from infra.train.grpo import kept_tokens, sampling_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer.encode("<|im_start|>user\ndo it<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i, (group, reward) in enumerate([("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 1.0)]):
+        ids, lps = list(prompt), []
+        for _ in range(5 + i):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            z = logits / temperature
+            probs = z.masked_fill(~kept_tokens(z, top_k, top_p), -float("inf")).softmax(-1)
+            tok = int(torch.multinomial(probs, 1, generator=gen))
+            ids.append(tok)
+            lps.append(float(sampling_logprobs(logits, torch.tensor(tok), temperature, top_k, top_p)[0]))
+        rows.append({"token_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(lps),
+                     "rollout_logprobs": [0.0] * len(prompt) + lps, "reward": reward, "group_id": group,
+                     "outcome": "success" if reward else "model_failure", "stop_reason": "stop"})
+    return rows, model
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 1.0), (0, 0.5), (20, 0.7)])
+def test_truncated_sampling_ratio_is_one_at_unchanged_weights(tiny_model, tiny_tokenizer, top_k, top_p):
+    rows, _ = _truncated_rows(tiny_model, tiny_tokenizer, 0.8, top_k, top_p)
+    m = _trainer(tiny_model, micro_batch_rows=2, temperature=0.8, top_k=top_k, top_p=top_p).step(rows)
+    assert m["unkept_frac"] == 0.0 and m["logprob_abs_diff"] < 1e-5
+    assert m["ratio_p05"] == pytest.approx(1.0, abs=1e-5) and m["ratio_p95"] == pytest.approx(1.0, abs=1e-5)
+    # the full-vocabulary trainer (the old behaviour) sees every ratio biased by the kept mass
+    full = _trainer(tiny_model, micro_batch_rows=2, temperature=0.8).step(rows)
+    assert full["ratio_p95"] < 0.999 and full["logprob_abs_diff"] > 1e-3
+
+
+def test_token_outside_the_kept_set_is_counted_and_trains_finitely(tiny_model, tiny_tokenizer):
+    from infra.train.grpo import kept_tokens
+
+    rows, model = _truncated_rows(tiny_model, tiny_tokenizer, 1.0, 5, 1.0)
+    ids = rows[0]["token_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0, -1]
+    ids[-1] = int((~kept_tokens(logits, 5, 1.0)).nonzero()[0])  # a token top-k = 5 cannot sample
+    rows[0]["rollout_logprobs"][-1] = -1.0  # as if sampled by a rollout policy that differs
+    m = _trainer(tiny_model, micro_batch_rows=2, top_k=5).step(rows)
+    total = sum(sum(r["loss_mask"]) for r in rows)
+    assert m["unkept_frac"] == pytest.approx(1 / total)
+    assert m["loss"] == m["loss"] and m["grad_norm"] > 0  # finite, and it trained
+    assert m["logprob_abs_diff"] < 1e-5  # the other tokens still match exactly
