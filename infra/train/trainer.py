@@ -66,10 +66,16 @@ class GRPOTrainer:
         of the last step is in ``last_row_decisions``.
 
         Raises:
-            ValueError: an unknown divergence estimator or action, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
+            ValueError: an unknown divergence estimator or action, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``,
+                or ZeRO stage 0 with a bf16 forward.
         """
         if divergence_estimator not in ("k1", "k3") or divergence_action not in ("drop", "downweight"):
             raise ValueError(f"divergence estimator {divergence_estimator!r} / action {divergence_action!r} unknown")
+        if zero_stage == 0 and forward_dtype == "bfloat16":
+            # DeepSpeed then wraps AdamW in FP16_UnfusedOptimizer, whose fp32 master weights neither
+            # safe_get_full_fp32_param (update_norm) nor zero_to_fp32 (export) can read (measured: export raises)
+            raise ValueError("zero_stage 0 with forward_dtype 'bfloat16' is not supported (the fp32 master weights "
+                             "cannot be read back for export or update_norm); use zero_stage >= 1")
         sampling_truncation_on(top_k, top_p, 1)  # validates them
         import deepspeed
         import torch
@@ -117,7 +123,11 @@ class GRPOTrainer:
             (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
             (of loss tokens), ``unkept_frac`` (of loss tokens: outside the trainer's top-k/top-p set,
             weight 0, see ``tis_policy_loss``), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
-            ``missing_logprobs``, ``rows_dropped_divergence``, ``rows_downweighted_divergence``, ``train_s``.
+            ``missing_logprobs``, ``rows_dropped_divergence``, ``rows_downweighted_divergence``,
+            ``update_norm``, ``train_s``. ``update_norm`` is ``||theta_after - theta_before||_2`` over all
+            trainable parameters, the fp32 master weights (DeepSpeed's ``safe_get_full_fp32_param``; the
+            module's own parameters at ZeRO 0 in fp32), snapshotted around ``engine.step()``; 0.0 when
+            the optimizer step is skipped.
         """
         import torch
 
@@ -153,9 +163,12 @@ class GRPOTrainer:
                 loss_value += float(loss.detach())
                 for k in sums:
                     sums[k] += m[k]
+        update_norm = 0.0
         if grad_rows:
+            before = self._fp32_params()
             self.engine.step()
             self.steps_done += 1
+            update_norm = self._update_norm(before)
         grad_norm = self.engine.get_global_grad_norm()
         tokens = max(sums["tokens"], 1.0)
         all_ratios = torch.cat(ratios).numpy() if ratios else np.zeros(0)
@@ -177,8 +190,32 @@ class GRPOTrainer:
             "missing_logprobs": sums["missing"],
             "rows_dropped_divergence": float(sum(d["decision"] == "drop" for d in self.last_row_decisions)),
             "rows_downweighted_divergence": float(sum(d["decision"] == "downweight" for d in self.last_row_decisions)),
+            "update_norm": update_norm,
             "train_s": time.monotonic() - start,
         }
+
+    def _fp32_params(self) -> list:
+        """A float32 copy of every trainable parameter (the optimizer's master weights), in ``parameters()`` order."""
+        import torch
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = []
+        for p in self.engine.module.parameters():
+            if p.requires_grad:
+                full = safe_get_full_fp32_param(p)  # None at ZeRO 0 in fp32: the module's parameter is the master
+                if full is None and p.dtype != torch.float32:
+                    raise RuntimeError(f"no fp32 master weight readable for a {p.dtype} parameter")
+                out.append((p.detach() if full is None else full).float().clone())
+        return out
+
+    def _update_norm(self, before: list) -> float:
+        """``||theta_now - before||_2`` (fp32 differences, summed in float64)."""
+        import torch
+
+        total = torch.zeros((), dtype=torch.float64)
+        for b, a in zip(before, self._fp32_params(), strict=True):
+            total += (a - b).double().square().sum()
+        return float(total.sqrt())
 
     def _micro_batch(self, rows: list[dict], idx: list[int], masks: list[np.ndarray], adv: np.ndarray,
                      total_tokens: int):

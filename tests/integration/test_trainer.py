@@ -31,6 +31,13 @@ def _trainer(model_dir, micro_batch_rows, zero_stage=2, forward_dtype="float32",
                        forward_dtype=forward_dtype)
 
 
+def _param_change_norm(trainer, before: dict, after: dict) -> float:
+    """||after - before|| over the trainable parameters, by name (a tied head counted once)."""
+    names = [n for n, p in trainer.engine.module.named_parameters() if p.requires_grad]
+    squares = (((after[n].detach().float() - before[n].detach().float()).double() ** 2).sum() for n in names)
+    return float(sum(squares) ** 0.5)
+
+
 def _assert_strict_export(trainer, out_dir):
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +57,8 @@ def test_step_excludes_infra_failures_and_is_invariant_to_micro_batching(tiny_mo
     assert m1["rows_trained"] == 5  # the infra_failure row is not trained on
     assert m1["loss_tokens"] == sum(6 + i for i in range(5))
     assert m1["grad_norm"] > 0 and any(not torch.equal(before[k], after[k]) for k in before)
+    assert m1["update_norm"] > 0
+    assert m1["update_norm"] == pytest.approx(_param_change_norm(one, before, after), rel=1e-6)
     m4 = _trainer(tiny_model, micro_batch_rows=4).step(rows)
     # same loss and gradient whether the step runs as 5 micro-batches of 1 row or 2 of up to 4
     assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-7)
@@ -64,7 +73,7 @@ def test_step_without_signal_does_not_move_weights(tiny_model, tiny_tokenizer):
     trainer = _trainer(tiny_model, micro_batch_rows=2)
     before = {k: v.clone() for k, v in trainer.engine.module.state_dict().items()}
     m = trainer.step(rows)
-    assert (m["rows_with_signal"], m["optimizer_step"], m["loss"]) == (0.0, 0.0, 0.0)
+    assert (m["rows_with_signal"], m["optimizer_step"], m["loss"], m["update_norm"]) == (0.0, 0.0, 0.0, 0.0)
     assert m["logprob_abs_diff"] > 0  # metrics still computed on every eligible row
     after = trainer.engine.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -73,8 +82,12 @@ def test_step_without_signal_does_not_move_weights(tiny_model, tiny_tokenizer):
 @pytest.mark.parametrize(("zero_stage", "forward_dtype"), [(1, "float32"), (3, "float32"), (2, "bfloat16")])
 def test_zero_stages_and_bf16_train_and_export_fp32(tiny_model, tiny_tokenizer, tmp_path, zero_stage, forward_dtype):
     trainer = _trainer(tiny_model, micro_batch_rows=2, zero_stage=zero_stage, forward_dtype=forward_dtype)
+    fp32_before = trainer.fp32_state_dict()
     m = trainer.step(_rows(tiny_tokenizer))
     assert m["optimizer_step"] == 1.0 and m["grad_norm"] > 0 and m["loss"] == m["loss"]
+    # the fp32 master weights moved by update_norm (not the bf16 module copy; ZeRO-3 partitions gathered)
+    assert m["update_norm"] == pytest.approx(_param_change_norm(trainer, fp32_before, trainer.fp32_state_dict()),
+                                             rel=1e-5)
     if forward_dtype == "bfloat16":
         assert next(trainer.engine.module.parameters()).dtype == torch.bfloat16
         assert m["logprob_abs_diff"] > 1e-4  # bf16 forward differs from the fp32 numbers
@@ -127,6 +140,8 @@ def test_divergence_beyond_threshold_drops_the_row_and_records_the_decision(tiny
     assert by_id["e0"]["decision"] == "drop" and by_id["e0"]["weight"] == 0.0 and by_id["e0"]["kl_k1"] > 3.0
     assert by_id["e1"]["decision"] == "keep" and by_id["e1"]["known_tokens"] == 0 and by_id["e1"]["kl_k3"] == 0.0
     assert m["rows_dropped_divergence"] == 1.0 and m["rows_downweighted_divergence"] == 0.0
+    with pytest.raises(ValueError, match="zero_stage 0 with forward_dtype 'bfloat16'"):
+        _trainer(tiny_model, micro_batch_rows=2, zero_stage=0, forward_dtype="bfloat16")
     with pytest.raises(ValueError, match="divergence estimator"):
         GRPOTrainer(str(tiny_model), lr=1e-3, zero_stage=2, grad_clip=1e9, micro_batch_rows=2, tis_cap=2.0,
                     temperature=1.0, top_p=1.0, top_k=0, scale_by_std=False, mask_truncated=False, max_seq_len=512,
@@ -182,5 +197,5 @@ def test_token_outside_the_kept_set_is_counted_and_trains_finitely(tiny_model, t
     m = _trainer(tiny_model, micro_batch_rows=2, top_k=5).step(rows)
     total = sum(sum(r["loss_mask"]) for r in rows)
     assert m["unkept_frac"] == pytest.approx(1 / total)
-    assert m["loss"] == m["loss"] and m["grad_norm"] > 0  # finite, and it trained
+    assert m["loss"] == m["loss"] and m["grad_norm"] > 0 and m["update_norm"] > 0  # finite, and it trained
     assert m["logprob_abs_diff"] < 1e-5  # the other tokens still match exactly
