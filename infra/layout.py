@@ -69,6 +69,11 @@ class RunLayout:
         """Groups the scheduler dropped while collecting ``step``."""
         return f"{self.root}/dropped/step-{step:06d}.parquet"
 
+    @property
+    def dropped_dir(self) -> str:
+        """The folder of the dropped-group files (no scheme: an s3fs path)."""
+        return f"{self.bucket}/{self.prefix}/{self.run_id}/dropped"
+
     def divergence(self, step: int) -> str:
         """Per-row divergence decisions of ``step``'s training."""
         return f"{self.root}/divergence/step-{step:06d}.parquet"

@@ -212,15 +212,20 @@ def read_step(fs, uri: str) -> pa.Table:
     return _as_current(table, uri, TRAJECTORY_SCHEMA.names)
 
 
-def read_history(fs, layout: RunLayout, columns: Sequence[str]) -> pa.Table:
+def read_history(fs, layout: RunLayout, columns: Sequence[str], include_dropped: bool = False) -> pa.Table:
     """Selected columns of every stored step of a run, in :data:`TRAJECTORY_SCHEMA`'s types (empty table when none).
+
+    ``include_dropped``: also the rows of groups the collector dropped (``dropped/``: stale, out of
+    infra retries, or zero-variance groups dynamic sampling passed over): never trained on, but
+    attempts all the same, which task difficulty must count (a task whose groups all fail is
+    hopeless even when dynamic sampling keeps those groups out of the batch).
 
     Raises:
         SchemaError: a file's columns have types of neither :data:`TRAJECTORY_SCHEMA` nor :data:`TRAJECTORY_SCHEMA_32`.
     """
     fs.invalidate_cache()
-    root = layout.trajectories_dir
-    paths = sorted(p for p in (fs.glob(f"{root}/step-*.parquet") if fs.exists(root) else []))
+    roots = [layout.trajectories_dir] + ([layout.dropped_dir] if include_dropped else [])
+    paths = sorted(p for root in roots for p in (fs.glob(f"{root}/step-*.parquet") if fs.exists(root) else []))
     tables = []
     for p in paths:
         with fs.open(p, "rb") as f:

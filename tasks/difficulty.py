@@ -22,10 +22,13 @@ def select_step_tasks(run: Run, step: int) -> Selection:
 
 @task(name="refresh_difficulty", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def refresh_difficulty(run: Run, step: int) -> Selection:
-    """Choose the step's training tasks from past pass rates (``infra.difficulty``)."""
+    """Choose the step's training tasks from past pass rates (``infra.difficulty``).
+
+    Pass rates count every attempt stored, trained or dropped (``read_history(include_dropped=True)``).
+    """
     train_ids = [e.task_id for e in run.catalog.usable("train")]
     columns = ("task_id", "step", "reward", "outcome")
-    hist = read_history(run.fs, run.layout, list(columns))
+    hist = read_history(run.fs, run.layout, list(columns), include_dropped=True)  # skipped groups are attempts too
     records = list(zip(*(hist.column(c).to_pylist() for c in columns), strict=True))
     d, r = run.config.difficulty, run.config.rollout
     stats = pass_stats(records, d.window)

@@ -115,3 +115,17 @@ def test_long_rows_round_trip_in_capped_row_groups(tmp_path, monkeypatch):
     meta = pq.ParquetFile(path).metadata
     assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [2, 2, 1]  # 5 rows, 2 per group
     assert read_step(fs, path).to_pylist() == rows
+
+
+def test_history_with_dropped_groups_counts_their_attempts(tmp_path):
+    """Difficulty reads dropped groups too (a zero-variance group dynamic sampling passed over is an attempt)."""
+    fs = fsspec.filesystem("file", auto_mkdir=True)
+    layout = RunLayout(str(tmp_path), "runs", "r")
+    trained = [{**r, "task_id": "tb/a"} for r in _rows()]
+    skipped = [{**r, "task_id": "tb/hopeless", "reward": 0.0} for r in _rows()]
+    write_step(fs, f"{layout.trajectories_dir}/step-000000.parquet", trained)
+    write_step(fs, layout.dropped(0).removeprefix("s3://"), skipped)
+
+    assert read_history(fs, layout, ["task_id"]).column("task_id").to_pylist() == ["tb/a"] * len(trained)
+    both = read_history(fs, layout, ["task_id"], include_dropped=True).column("task_id").to_pylist()
+    assert sorted(both) == sorted(["tb/a"] * len(trained) + ["tb/hopeless"] * len(skipped))
