@@ -474,3 +474,10 @@ def test_both_paths_build_the_same_row_from_the_same_replies(rig, tmp_path):
             "max_policy_version", "prompt_tokens", "completion_tokens", "reward", "outcome", "reason", "stop_reason",
             "agent_end", "num_turns", "commands", "image", "image_digest", "tool_s")
     assert {k: one[k] for k in same} == {k: sync[0][k] for k in same}
+
+
+def test_sampling_settings_reach_every_request(rig, tmp_path):
+    """temperature, top_p and top_k of the run's config are what the engine is asked to sample with."""
+    r = rig([HELLO, DONE], temperature=0.9, top_p=0.8, top_k=20)
+    r.run(terminal_task(tmp_path))
+    assert [(x.request.temperature, x.request.top_p, x.request.top_k) for x in r.engine.received] == [(0.9, 0.8, 20)] * 2
