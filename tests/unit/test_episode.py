@@ -480,4 +480,5 @@ def test_sampling_settings_reach_every_request(rig, tmp_path):
     """temperature, top_p and top_k of the run's config are what the engine is asked to sample with."""
     r = rig([HELLO, DONE], temperature=0.9, top_p=0.8, top_k=20)
     r.run(terminal_task(tmp_path))
-    assert [(x.request.temperature, x.request.top_p, x.request.top_k) for x in r.engine.received] == [(0.9, 0.8, 20)] * 2
+    sent = [(x.request.temperature, x.request.top_p, x.request.top_k) for x in r.engine.received]
+    assert sent == [(0.9, 0.8, 20)] * 2
