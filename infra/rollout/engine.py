@@ -221,9 +221,7 @@ class VLLMEngine:
         """
         with self._lock:
             start = time.monotonic()
-            with expected_reload_warnings_dropped(self.llm.model_config.hf_config.tie_word_embeddings):
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
-                self.llm.collective_rpc(_repack_tied_lm_head)
+            self.llm.collective_rpc(reload_repacked, kwargs={"weights_path": hf_dir})
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
@@ -237,9 +235,7 @@ class VLLMEngine:
         """
         with self._lock:
             start = time.monotonic()
-            with expected_reload_warnings_dropped(self.llm.model_config.hf_config.tie_word_embeddings):
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
-                self.llm.collective_rpc(_repack_tied_lm_head)
+            self.llm.collective_rpc(reload_repacked, kwargs={"weights_iterator": iter(named_tensors.items())})
             self.llm.reset_prefix_cache()
             self.policy_version = policy_version
             return time.monotonic() - start
@@ -277,6 +273,18 @@ class VLLMEngine:
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""
+
+
+def reload_repacked(worker, **reload_kwargs) -> None:
+    """On a vLLM worker: ``reload_weights(**reload_kwargs)``, then :func:`_repack_tied_lm_head`.
+
+    vLLM's expected "Failed to load weights" warnings are dropped (``infra.rollout.reload_warnings``).
+    Every hot-load goes through here: the in-process engine (``collective_rpc``) and the servers'
+    worker extension (``infra.rollout.worker_ext``).
+    """
+    with expected_reload_warnings_dropped(worker.model_config.hf_config.tie_word_embeddings):
+        worker.reload_weights(**reload_kwargs)
+        _repack_tied_lm_head(worker)
 
 
 def _repack_tied_lm_head(worker) -> None:

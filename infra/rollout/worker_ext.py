@@ -16,12 +16,9 @@ class WeightReload:
 
     def reload_weights_repacked(self, weights_path: str) -> None:
         """Reload weights in place from an HF safetensors folder, then refresh a tied lm_head's CPU pack."""
-        from infra.rollout.engine import _repack_tied_lm_head
-        from infra.rollout.reload_warnings import expected_reload_warnings_dropped
+        from infra.rollout.engine import reload_repacked
 
-        with expected_reload_warnings_dropped(self.model_config.hf_config.tie_word_embeddings):
-            self.reload_weights(weights_path=weights_path)
-            _repack_tied_lm_head(self)
+        reload_repacked(self, weights_path=weights_path)
 
     # -- direct publication: pull the trainer's files in the background, apply on request --------
     def stage_weights_from_url(self, base_url: str, files_json: str, version: str) -> None:
@@ -69,16 +66,13 @@ class WeightReload:
         """
         import shutil
 
-        from infra.rollout.engine import _repack_tied_lm_head
-        from infra.rollout.reload_warnings import expected_reload_warnings_dropped
+        from infra.rollout.engine import reload_repacked
 
         state = getattr(self, "_agentrl_staged", {})
         if state.get("version") != int(version) or not state.get("done") or state.get("error"):
             raise RuntimeError(f"version {version} is not staged and verified: {state}")
         try:
-            with expected_reload_warnings_dropped(self.model_config.hf_config.tie_word_embeddings):
-                self.reload_weights(weights_path=state["path"])
-                _repack_tied_lm_head(self)
+            reload_repacked(self, weights_path=state["path"])
         finally:
             shutil.rmtree(state["path"], ignore_errors=True)
             self._agentrl_staged = {}
