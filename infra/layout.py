@@ -2,7 +2,8 @@
 
 Under ``s3://{bucket}/{prefix}/{run_id}/``: ``envs.json`` and ``envs-logs/``, ``trajectories/``,
 ``dropped/`` and ``divergence/`` (``step-{step:06d}.parquet``), ``checkpoints/v{N}/`` (with
-``eval.json``), ``summaries/step-{step:06d}.json`` and ``report.md``. Validation verdicts are shared
+``eval.json``), ``summaries/step-{step:06d}.json``, ``report.md`` and ``config.json``; beside each
+artifact, its lineage (``{artifact}.lineage.json``). Validation verdicts are shared
 by every run of a bucket: ``s3://{bucket}/validation/{key}.json``. Local scratch (exports, fetched
 checkpoints, trainer states, server logs) is ``$AGENTRL_STATE/work/{run_id}/``.
 """
@@ -109,6 +110,20 @@ class RunLayout:
     def report(self) -> str:
         """The run report (markdown)."""
         return f"{self.root}/report.md"
+
+    @property
+    def config_record(self) -> str:
+        """The resolved config the run was made with (``config.json``); earlier ones in ``config-history/``."""
+        return f"{self.root}/config.json"
+
+    def config_history(self, n: int) -> str:
+        """The ``n``-th config the run had before an explicit change (``allow_config_change``)."""
+        return f"{self.root}/config-history/{n:04d}.json"
+
+    @staticmethod
+    def lineage(uri: str) -> str:
+        """The lineage record stored beside an ``s3://`` artifact: ``{uri}.lineage.json`` (a folder's too)."""
+        return f"{uri.rstrip('/')}.lineage.json"
 
     @property
     def work(self) -> Path:
