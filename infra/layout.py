@@ -106,6 +106,10 @@ class RunLayout:
         """Glob of every stored step summary."""
         return f"{self.root}/summaries/step-*.json"
 
+    def episodes(self, step: int) -> str:
+        """One step's chosen episodes, rendered (markdown, ``infra.episodes``)."""
+        return f"{self.root}/episodes/step-{step:06d}.md"
+
     @property
     def report(self) -> str:
         """The run report (markdown)."""
