@@ -216,9 +216,12 @@ def test_lineage_cli_walks_both_ways(finished_run, capsys):
     assert (1, f"{run}/trajectories/step-000000.parquet") in up
     assert any(depth == 2 and node.startswith("docker://agentrl-task-") for depth, node in up)
     assert walk(PREFECT_API_URL.value(), ckpt, "downstream") == [(1, f"{ckpt}/eval.json")]
-    assert main([f"{run}/trajectories/step-000000.parquet"]) == 0
-    out = capsys.readouterr().out
-    assert f"downstream of {run}/trajectories/step-000000.parquet:" in out and f"{ckpt}/eval.json" in out
+    for source in ("prefect", "s3"):  # the events, and the records stored beside the artifacts
+        assert main([f"{run}/trajectories/step-000000.parquet", "--source", source]) == 0
+        out = capsys.readouterr().out.splitlines()
+        below = out[out.index(f"{run}/trajectories/step-000000.parquet") + 1:]
+        assert below == ["used by (outputs):", f"  └── {ckpt}", f"      └── {ckpt}/eval.json"], (source, out)
+        assert any(line.lstrip(" │├└─").startswith("docker://agentrl-task-") for line in out[:out.index(below[0])])
 
 
 def test_corrupt_checkpoint_is_refused_and_engine_keeps_serving(finished_run, live_run, s3, tmp_path):
