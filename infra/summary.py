@@ -37,6 +37,8 @@ class RolloutStats:
     ``generation_tokens_per_s``, ``engine_idle_s``, ``prefix_cache_hit_rate``, ``groups_dropped``,
     ``groups_submitted``, ``lag_hist_<k>`` (groups at lag k); empty for the sync collector.
     ``reused``: served from an earlier attempt of this step; ``stage_s``: this attempt's seconds.
+    ``completion_tokens_mean`` (sampled tokens) and ``turns_mean``: per episode, over the rows that are not
+    ``infra_failure`` (0.0 when none).
     """
 
     uri: str
@@ -55,6 +57,8 @@ class RolloutStats:
     scheduling: dict[str, float] = field(default_factory=dict)
     reused: bool = False
     stage_s: float = 0.0
+    completion_tokens_mean: float = 0.0
+    turns_mean: float = 0.0
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:
@@ -128,6 +132,7 @@ class StepSummary:
         m = t.metrics
         out = {
             "step": self.step, "time_to_batch_s": round(b.time_to_batch_s, 2), "reward_mean": round(b.reward_mean, 4),
+            "completion_tokens_mean": round(b.completion_tokens_mean, 2), "turns_mean": round(b.turns_mean, 2),
             "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
             "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,

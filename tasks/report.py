@@ -1,4 +1,4 @@
-"""Prefect task: store a step's summary and refresh the run's table and report artifacts."""
+"""Prefect task: store a step's summary and refresh the run's two table artifacts and its report artifact."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.layout import artifact_key
-from infra.report import render_report
+from infra.report import narrow_table, render_report
 from infra.run import Run
 from infra.summary import StepSummary
 
@@ -18,9 +18,11 @@ from infra.summary import StepSummary
 def record_step(run: Run, summary: StepSummary) -> list[dict]:
     """Store the summary at ``RunLayout.summary(step)``, then refresh the run's artifacts.
 
-    The ``<run>-steps`` table and the ``<run>-report`` markdown (also written to ``RunLayout.report``)
-    cover every stored step, so a resumed run reports all its steps, not only this process's.
-    Idempotent: a retry rewrites the same objects.
+    Three artifacts, each covering every stored step (a resumed run reports all its steps, not only
+    this process's): ``<run>-steps``, the narrow table (``infra.report.narrow_table``: the figures people
+    scan); ``<run>-steps-all``, every flat key of every summary (``metrics`` left out); ``<run>-report``,
+    the markdown report (``infra.report.render_report``: banner, plots, narrow table), also written to
+    ``RunLayout.report``. Idempotent: a retry rewrites the same objects.
 
     Returns:
         Every stored summary of the run, by step.
@@ -29,11 +31,14 @@ def record_step(run: Run, summary: StepSummary) -> list[dict]:
     fs.pipe_file(layout.summary(summary.step), json.dumps(summary.to_json(), default=str).encode())
     fs.invalidate_cache()
     history = [json.loads(fs.cat_file(p)) for p in sorted(fs.glob(layout.summaries_glob))]
-    create_table_artifact(key=artifact_key(run_id, "steps"),
+    everything = artifact_key(run_id, "steps-all")
+    create_table_artifact(key=artifact_key(run_id, "steps"), table=narrow_table(history),
+                          description=f"post_train {run_id}: per-step figures to scan (all of them: {everything})")
+    create_table_artifact(key=everything,
                           table=[{k: str(v) for k, v in x.items() if k != "metrics"} for x in history],
-                          description=f"post_train {run_id}: per-step summary")
+                          description=f"post_train {run_id}: every per-step summary figure")
     report = render_report(run_id, history)
     fs.pipe_file(layout.report, report.encode())
     create_markdown_artifact(key=artifact_key(run_id, "report"), markdown=report,
-                             description=f"post_train {run_id}: reward, lag, time and mismatch plots")
+                             description=f"post_train {run_id}: what needs a look, curves and per-step table")
     return history

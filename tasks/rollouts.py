@@ -70,6 +70,7 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
     outcomes = Counter(row["outcome"] for row in rows)
     infra_reasons = Counter(row["reason"] for row in rows if row["outcome"] == "infra_failure")
     acquire = sorted(row["sandbox_acquire_s"] for row in rows if row["sandbox_id"])
+    finished = [row for row in rows if row["outcome"] != "infra_failure"]  # episodes that ran to an end
     versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
     add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size,
                              "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
@@ -81,7 +82,9 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
         sandbox_acquire_p50_s=acquire[len(acquire) // 2] if acquire else 0.0, bytes=size,
         min_policy_version=min((row["min_policy_version"] for row in rows), default=-1),
         max_policy_version=max((row["max_policy_version"] for row in rows), default=-1),
-        collected_at=time.time(), scheduling=scheduling)
+        collected_at=time.time(), scheduling=scheduling,
+        completion_tokens_mean=sum(row["completion_tokens"] for row in finished) / max(len(finished), 1),
+        turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1))
 
 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from prefect.assets import Asset
+from prefect.context import AssetContext
+
+from infra.layout import RunLayout
 from infra.summary import EvalResult, PublishResult, RolloutStats, Selection, StepSummary, TrainStats
 
 # The flat keys every stored summary had before the records (flows/post_train.py at fd6c360), async collector.
@@ -18,7 +22,8 @@ STORED_KEYS = {
     "straggler_tail_s", "engine_idle_s", "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in",
     "groups_dropped", "policy_lag_hist",
 }
-ADDED_KEYS = {"rows_trained", "update_norm"}  # since the step line says whether the step learned
+ADDED_KEYS = {"rows_trained", "update_norm",  # since the step line says whether the step learned
+              "completion_tokens_mean", "turns_mean"}  # since the report plots response length and turns
 TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,
          "logprob_abs_diff": 2e-5, "kl_k1": 1e-6, "kl_k3": 3e-6, "tis_capped_frac": 0.0, "tis_masked_frac": 0.0,
          "ratio_p05": 0.999, "ratio_p50": 1.0, "ratio_p95": 1.001, "rows_dropped_divergence": 0.0,
@@ -46,6 +51,51 @@ def test_stored_summary_keeps_every_key_it_had():
     assert (stored["time_to_batch_s"], stored["reward_mean"], stored["sandbox_acquire_p50_s"]) == (12.35, 0.25, 0.432)
     assert stored["policy_lag_hist"] == {0: 3, 1: 1} and stored["difficulty_s"] == 0.12
     assert (stored["eval_pass_at_1"], stored["eval_delta"], stored["policy_version"]) == (0.5, {"1": 0.25}, 3)
+
+
+def test_response_length_and_turns_are_stored_rounded():
+    stored = StepSummary.of(2, summary().selection, replace(summary().batch, completion_tokens_mean=123.456,
+                                                            turns_mean=2.3333), summary().trained,
+                            summary().published, summary().evaluated).to_json()
+    assert (stored["completion_tokens_mean"], stored["turns_mean"]) == (123.46, 2.33)
+    assert stored["metrics"]["rollout/completion_tokens_mean"] == 123.456
+
+
+class _Files:
+    """A store that keeps what is written (``pipe_file``), by URI."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+
+    def pipe_file(self, uri: str, data: bytes) -> None:
+        self.files[uri] = data
+
+
+def test_store_step_means_over_episodes_that_ran_to_an_end():
+    from types import SimpleNamespace
+
+    from tasks.rollouts import store_step
+    from tests.helpers import make_row
+
+    rows = [make_row(episode_id="e0", completion_tokens=10, num_turns=1),
+            make_row(episode_id="e1", completion_tokens=30, num_turns=4, outcome="model_failure", reward=0.0),
+            make_row(episode_id="e2", completion_tokens=0, num_turns=0, outcome="infra_failure", reason="sandbox_lost",
+                     reward=0.0)]
+    rows = [{**r, "sandbox_warm": True} for r in rows]
+    run = SimpleNamespace(layout=RunLayout("b", "runs", "r"), fs=_Files())
+
+    def materializing(step: int) -> AssetContext:  # store_step records asset metadata, as in collect_rollouts
+        return AssetContext(downstream_assets={Asset(key=run.layout.trajectories(step))})
+
+    with materializing(0):
+        stats = store_step(run, 0, rows, [], {}, 1.5)
+    # the infra failure is left out: (10 + 30) / 2 = 20 tokens, (1 + 4) / 2 = 2.5 turns
+    assert (stats.completion_tokens_mean, stats.turns_mean) == (20.0, 2.5)
+    assert (stats.reward_mean, stats.outcomes, stats.infra_reasons) == (1 / 3, {"success": 1, "model_failure": 1,
+                                                                               "infra_failure": 1}, {"sandbox_lost": 1})
+    with materializing(1):
+        empty = store_step(run, 1, [], [], {}, 0.5)
+    assert (empty.completion_tokens_mean, empty.turns_mean) == (0.0, 0.0)
 
 
 def test_step_line_as_printed():
