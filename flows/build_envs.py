@@ -9,7 +9,9 @@ import sys
 
 from prefect import flow
 
+from flows.naming import flow_run_name, tagged
 from infra.config import RunConfig
+from infra.config_record import claim as claim_config
 from infra.run import Run
 from tasks.build_envs import build_envs as build_envs_task
 from tasks.build_envs import materialize_task_images
@@ -17,14 +19,15 @@ from tasks.build_envs import materialize_task_images
 DEFAULT_CONFIG = RunConfig()
 
 
-@flow(name="build_envs", log_prints=True)
-def build_envs(config: RunConfig = DEFAULT_CONFIG) -> dict:
+@flow(name="build_envs", flow_run_name=flow_run_name, log_prints=True)
+def build_envs(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = False) -> dict:
     """Build every task image of the config and write ``envs.json``.
 
     Returns:
         ``{"catalog": URI, "images": [asset keys]}``.
     """
-    with Run.open(config, model=False) as run:
+    with tagged(config), Run.open(config, model=False) as run:
+        claim_config(run.fs, config, allow_config_change)
         catalog_uri = build_envs_task(run)
         images = materialize_task_images(run)
     print(f"environments of {config.run_id}: {catalog_uri} ({len(images)} images)")

@@ -9,6 +9,7 @@ bucket, the Docker engine, the task sources, the model folder. A bad one prints 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 
 from infra.config import ConfigError, load_config
@@ -20,7 +21,7 @@ __all__ = ["RunInputError", "preflight", "run_flow_cli"]
 def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
                  options: list[tuple[str, dict]] = (), show=lambda result, config: print(result),
                  config_options: list[tuple[str, str, dict]] = (), checks: dict | None = None,
-                 precheck=None) -> int:
+                 precheck=None, record_ignore: tuple[str, ...] = ()) -> int:
     """Parse ``--config`` and overrides, run ``preflight``, then call ``flow_fn(config, **extra)``.
 
     Args:
@@ -34,10 +35,13 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
             overrides that field of the config (``--steps`` -> ``steps``).
         checks: keywords of ``preflight`` (which inputs this flow needs).
         precheck: called with the config before ``preflight``; may raise ``PrecisionMismatch``.
+        record_ignore: config fields this flow may change on a stored run (``infra.config_record.check``);
+            a flow with an ``allow_config_change`` parameter gets ``--allow-config-change`` and the check.
 
     Returns:
         0 on success; 2 when the config or an input cannot be used (one ``error:`` line on stderr).
     """
+    from infra.config_record import ConfigChanged, check
     from infra.evaluate import PrecisionMismatch
 
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -46,6 +50,11 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
     overrides = [(parser.add_argument(flag, default=None, **kw).dest, field)
                  for flag, field, kw in config_options]
     extra = [parser.add_argument(flag, **kw).dest for flag, kw in options]
+    guarded = "allow_config_change" in inspect.signature(getattr(flow_fn, "fn", flow_fn)).parameters
+    if guarded:
+        extra.append(parser.add_argument(
+            "--allow-config-change", action="store_true",
+            help="continue a stored run with a config that differs from the one it was made with").dest)
     args = parser.parse_args(argv)
     given = {field: getattr(args, dest) for dest, field in [("run_id", "run_id"), *overrides]
              if getattr(args, dest) is not None}
@@ -53,11 +62,13 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
         config = load_config(args.config, **given)  # before torch/vLLM load: fast, clear errors
         if precheck is not None:
             precheck(config)
-        preflight(config, **(checks or {}))
+        fs = preflight(config, **(checks or {}))
+        if guarded:  # a stored run with another config: refused here, before anything loads
+            check(fs, config, args.allow_config_change, ignore=record_ignore)
     except ConfigError as e:  # names the file already
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (RunInputError, PrecisionMismatch) as e:
+    except (RunInputError, PrecisionMismatch, ConfigChanged) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
     # errors from here on happen inside the flow (maybe after writes): Prefect logs them, they propagate

@@ -14,7 +14,9 @@ from typing import Literal
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.naming import flow_run_name, tagged
 from infra.config import RunConfig, ServersEngine
+from infra.config_record import claim as claim_config
 from infra.run import Run
 from tasks.build_envs import task_image_assets
 from tasks.difficulty import refresh_difficulty
@@ -24,9 +26,10 @@ from tasks.rollouts import rollouts_for_step
 DEFAULT_CONFIG = RunConfig()
 
 
-@flow(name="collect_rollouts", log_prints=True)
+@flow(name="collect_rollouts", flow_run_name=flow_run_name, log_prints=True)
 def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None,
-                     fan_out: Literal["local", "ray"] = "local", ray_address: str = "") -> dict:
+                     fan_out: Literal["local", "ray"] = "local", ray_address: str = "",
+                     allow_config_change: bool = False) -> dict:
     """Sample G attempts for each chosen task with the newest policy; ``step`` defaults to the next one.
 
     ``fan_out="ray"`` runs one Prefect task per group on Ray (``prefect-ray``; a local Ray instance,
@@ -44,7 +47,8 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\", not "
                          f"{config.engine.kind!r} (Ray workers reach the engines over HTTP; an in-process engine "
                          "cannot be shared)")
-    with Run.open(config) as run:
+    with tagged(config), Run.open(config) as run:
+        claim_config(run.fs, config, allow_config_change)
         next_step = prepare_policy(run)
         step = next_step if step is None else step
         selection = refresh_difficulty(run, step)

@@ -15,8 +15,10 @@ import sys
 
 from prefect import flow, get_run_logger
 
+from flows.naming import flow_run_name, tagged
 from infra.checkpoint import published_versions
 from infra.config import RunConfig
+from infra.config_record import check as check_config
 from infra.evaluate import eval_precision
 from infra.run import Run
 from tasks.evaluate import eval_settings
@@ -24,10 +26,13 @@ from tasks.evaluate import evaluate as evaluate_task
 from tasks.lineage import as_asset
 
 DEFAULT_CONFIG = RunConfig()
+EVAL_MAY_CHANGE = ("eval", "model.serving_dtype")
+"""Config fields an evaluation of a stored run may set otherwise than the run did (its report says how)."""
 
 
-@flow(name="evaluate", log_prints=True)
-def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, force: bool = False) -> dict:
+@flow(name="evaluate", flow_run_name=flow_run_name, log_prints=True)
+def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, force: bool = False,
+             allow_config_change: bool = False) -> dict:
     """pass@k of checkpoint ``version`` (default: newest published) with the serving engine and dtype.
 
     Returns the report; ``reevaluated_because`` says why an existing report was replaced, and
@@ -42,7 +47,8 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
     """
     dtype, mismatch = eval_precision(config.model.serving_dtype, config.eval.dtype,
                                      config.eval.allow_precision_mismatch)
-    with Run.open(config, model=False) as run:
+    with tagged(config), Run.open(config, model=False) as run:
+        check_config(run.fs, config, allow_config_change, ignore=EVAL_MAY_CHANGE)
         versions = published_versions(run.fs, run.layout)
         if not versions or (version is not None and version not in versions):
             raise ValueError(f"run {config.run_id}: checkpoint version {version} not published (have {versions})")
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                         show=lambda r, c: print(json.dumps({k: v for k, v in r.items() if k != "per_task"})),
                         precheck=lambda c: eval_precision(c.model.serving_dtype, c.eval.dtype,
                                                           c.eval.allow_precision_mismatch),
-                        checks={"model": False})  # evaluates published checkpoints, never model.path
+                        checks={"model": False},  # evaluates published checkpoints, never model.path
+                        record_ignore=EVAL_MAY_CHANGE)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import sys
 
 from prefect import flow
 
+from flows.naming import flow_run_name, tagged
 from infra.config import RunConfig
+from infra.config_record import claim as claim_config
 from infra.evaluate import PrecisionMismatch
 from infra.run import Run
 from infra.summary import StepSummary
@@ -27,15 +29,18 @@ from tasks.train import train
 DEFAULT_CONFIG = RunConfig()
 
 
-@flow(name="post_train", log_prints=True)
-def post_train(config: RunConfig = DEFAULT_CONFIG) -> list[dict]:
+@flow(name="post_train", flow_run_name=flow_run_name, log_prints=True)
+def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = False) -> list[dict]:
     """Run ``config.steps`` GRPO steps of agentic RL post-training; returns one stored summary per step run.
 
     The inputs are checked first (``Run.open``: S3, Docker, task sources, model; a bad one fails
-    here, before any task or write). Summary keys: see ``infra.summary.StepSummary.to_json``.
+    here, before any task or write). The config is stored with the run; resuming it with another config
+    is refused (``infra.config_record``) unless ``allow_config_change``. Summary keys: see
+    ``infra.summary.StepSummary.to_json``.
     """
     check_eval_precision(config)
-    with Run.open(config) as run, Publisher(run) as publish:
+    with tagged(config), Run.open(config) as run, Publisher(run) as publish:
+        claim_config(run.fs, config, allow_config_change)
         build_envs(run)
         materialize_task_images(run)
         summaries = []

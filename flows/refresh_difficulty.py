@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 from prefect import flow
 
+from flows.naming import flow_run_name, tagged
 from infra.config import RunConfig
 from infra.run import Run
 from tasks.difficulty import refresh_difficulty as refresh_task
@@ -18,10 +19,10 @@ from tasks.difficulty import refresh_difficulty as refresh_task
 DEFAULT_CONFIG = RunConfig()
 
 
-@flow(name="refresh_difficulty", log_prints=True)
+@flow(name="refresh_difficulty", flow_run_name=flow_run_name, log_prints=True)
 def refresh_difficulty(config: RunConfig = DEFAULT_CONFIG, step: int = 0) -> dict:
     """Choose the tasks of ``step`` from past pass rates (see ``infra.difficulty``)."""
-    with Run.open(config, docker=False, model=False, tasks=False) as run:
+    with tagged(config), Run.open(config, docker=False, model=False, tasks=False) as run:
         selection = refresh_task(run, step)
     print(f"step {step}: chosen {selection.chosen}, skipped {selection.skipped}, revisited {selection.revisited}")
     return asdict(selection)

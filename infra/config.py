@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 def _any_of(schema: dict) -> None:
@@ -77,6 +77,7 @@ class AsyncScheduler(_Strict):
     """
 
     kind: Literal["async"] = "async"
+    """``async``: every episode on its own worker (``infra.rollout.scheduler``), batches from a ready bank."""
     overprovision: float = Field(1.0, ge=1.0, le=8.0)
     """Groups kept in flight per group a batch needs; complete surplus groups carry to the next step."""
     prefetch: bool = False
@@ -110,6 +111,7 @@ class SyncScheduler(_Strict):
     """Exactly the chosen groups, each run to its end (one-shot, every attempt's row), no carry-over between steps."""
 
     kind: Literal["sync"] = "sync"
+    """``sync``: exactly the chosen groups, each run to its end (one-shot, every attempt's row), no carry-over."""
 
 
 # Choices without fields first: Prefect's UI shows a value under the first choice sharing the most keys
@@ -152,12 +154,14 @@ class InprocEngine(_Strict):
     """One vLLM engine in the flow's process (``infra.rollout.engine``)."""
 
     kind: Literal["inproc"] = "inproc"
+    """``inproc``: one vLLM engine in the flow's process (``infra.rollout.engine``)."""
 
 
 class ServersEngine(_Strict):
     """vLLM OpenAI servers started by the run on loopback ports, behind a router (``infra.rollout.servers``)."""
 
     kind: Literal["servers"] = "servers"
+    """``servers``: vLLM OpenAI servers started by the run on loopback ports, behind a router."""
     count: int = Field(2, ge=1, le=64)
     """How many servers to start."""
     threads: int = Field(1, ge=1, le=512)
@@ -259,12 +263,14 @@ class StoragePublish(_Strict):
     """The engine loads the S3 checkpoint after it is uploaded (manifest last) and verified."""
 
     kind: Literal["storage"] = "storage"
+    """``storage``: the engine loads the S3 checkpoint after it is uploaded (manifest last) and verified."""
 
 
 class DirectPublish(_Strict):
     """The engine pulls the trainer's files over HTTP and verifies them; S3 upload in the background."""
 
     kind: Literal["direct"] = "direct"
+    """``direct``: the engine pulls the trainer's files over HTTP and verifies them; S3 upload in the background."""
     host: str = "127.0.0.1"
     """Address the trainer's direct-transfer server binds (one the engine machines reach)."""
 
@@ -276,6 +282,7 @@ class ColocatedPublish(_Strict):
     """
 
     kind: Literal["colocated"] = "colocated"
+    """``colocated``: the in-process engine loads the trainer's tensors from memory; S3 upload in the background."""
 
 
 PublishConfig = Annotated[StoragePublish | DirectPublish | ColocatedPublish,
@@ -296,18 +303,30 @@ class RunConfig(_Strict):
     """A whole post-training run."""
 
     run_id: str = Field("quickstart", pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    """Names the run's storage prefix; rerunning the same id resumes it."""
+    """Names the run's storage prefix; rerunning the same id resumes it (with the same config: see
+    ``infra.config_record``)."""
+    name: str = Field("", pattern=r"^[A-Za-z0-9._-]{0,64}$")
+    """The config's name: its TOML file's stem (set by ``load_config``), or the deployment's config; tags runs."""
     steps: int = Field(2, ge=1, le=100000)
     """Training steps to run."""
     model: ModelConfig = ModelConfig()
+    """The policy to start from and how it is served."""
     tasks: TaskSetConfig = TaskSetConfig()
+    """Which tasks train and which are held out for evaluation."""
     engine: EngineConfig = InprocEngine()
+    """The rollout engine: in this process (inproc) or vLLM servers (servers)."""
     rollout: RolloutConfig = RolloutConfig()
+    """How episodes are sampled and scheduled."""
     difficulty: DifficultyConfig = DifficultyConfig()
+    """Which tasks a step samples, from their past pass rates."""
     train: TrainConfig = TrainConfig()
+    """The GRPO step: optimizer, loss, DeepSpeed and correction settings."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation after each published version."""
     publish: PublishConfig = StoragePublish()
+    """How a new version reaches the engine: storage, direct or colocated."""
     storage: StorageConfig = StorageConfig()
+    """Where trajectories and checkpoints go (S3)."""
 
     @model_validator(mode="after")
     def _check_engine(self):
@@ -348,6 +367,7 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
         raise ConfigError(f"{path}: not UTF-8 text ({e}); expected a TOML config file") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    data.setdefault("name", path.stem)
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = data

@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.environments import Catalog, build_catalog, load_run_tasks
 from infra.layout import artifact_key
 from infra.run import Run
+from tasks.naming import stage_run_name
 
 
 def image_asset(image: str) -> str:
@@ -19,7 +20,8 @@ def image_asset(image: str) -> str:
     return f"docker://{image}"
 
 
-@task(name="build_envs", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
+@task(name="build_envs", task_run_name=stage_run_name("build_envs"),
+      cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def build_envs(run: Run) -> str:
     """Load every task, build images (keyed by build-context hash), validate, write ``envs.json``; returns its URI.
 

@@ -12,6 +12,7 @@ from infra.difficulty import pass_stats, select_tasks
 from infra.run import Run
 from infra.store import read_history
 from infra.summary import Selection
+from tasks.naming import stage_run_name
 
 
 def select_step_tasks(run: Run, step: int) -> Selection:
@@ -20,7 +21,8 @@ def select_step_tasks(run: Run, step: int) -> Selection:
     return replace(refresh_difficulty(run, step), stage_s=time.monotonic() - start)
 
 
-@task(name="refresh_difficulty", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(name="refresh_difficulty", task_run_name=stage_run_name("refresh_difficulty"),
+      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def refresh_difficulty(run: Run, step: int) -> Selection:
     """Choose the step's training tasks from past pass rates (``infra.difficulty``).
 

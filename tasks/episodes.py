@@ -12,9 +12,11 @@ from infra.layout import artifact_key
 from infra.model import resolve_model
 from infra.run import Run
 from infra.store import read_step
+from tasks.naming import stage_run_name
 
 
-@task(name="publish_step_episodes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(name="publish_step_episodes", task_run_name=stage_run_name("publish_step_episodes"),
+      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def publish_step_episodes(run: Run, step: int, trajectories_uri: str) -> str:
     """Render the step's chosen episodes (``render_step_episodes``) and publish them; returns the S3 URI.
 

@@ -14,6 +14,7 @@ from infra.rollout.collector import CollectSettings
 from infra.run import Run
 from infra.summary import EvalResult, PublishResult
 from tasks.lineage import as_asset
+from tasks.naming import stage_run_name
 
 
 def eval_settings(config) -> dict:
@@ -23,7 +24,7 @@ def eval_settings(config) -> dict:
             "max_tokens": e.max_tokens, "max_turns": config.rollout.max_turns}
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name=stage_run_name("evaluate"), cache_policy=NO_CACHE)
 def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
     """pass@k (``eval.k``, ``eval.samples_per_task`` attempts per task) on every usable held-out task.
 

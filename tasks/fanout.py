@@ -19,9 +19,10 @@ from envs.task import Task
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
 from infra.rollout.collector import Collector, CollectSettings
+from tasks.naming import stage_run_name
 
 
-@task(name="collect_group", cache_policy=NO_CACHE)
+@task(name="collect_group", task_run_name=stage_run_name("collect_group"), cache_policy=NO_CACHE)
 def collect_group(config: RunConfig, servers: list[dict], policy_version: int, task_obj: Task, group_index: int,
                   step: int, images: dict[str, tuple[str, str]]) -> dict:
     """One group on a fan-out worker: ``{"rows": its rows (retries included, as Collector.collect), "pid"}``.

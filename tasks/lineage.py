@@ -92,5 +92,6 @@ def as_asset(stage: Task, key: str, deps: list[str]) -> Materialization:
         write_lineage(run.fs, key, deps)
         return result
 
-    return Materialization(materialize(key, asset_deps=deps, name=stage.name, retries=stage.retries,
+    return Materialization(materialize(key, asset_deps=deps, name=stage.name, task_run_name=stage.task_run_name,
+                                       retries=stage.retries,
                                        retry_delay_seconds=stage.retry_delay_seconds, **options)(stage_then_lineage))

@@ -6,9 +6,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.run import Run
+from tasks.naming import stage_run_name
 
 
-@task(name="prepare_policy", cache_policy=NO_CACHE)
+@task(name="prepare_policy", task_run_name=stage_run_name("prepare_policy"), cache_policy=NO_CACHE)
 def prepare_policy(run: Run) -> int:
     """Serve the newest published checkpoint, or the configured model (``Run.resume``); returns the next step.
 

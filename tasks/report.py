@@ -12,9 +12,11 @@ from infra.layout import artifact_key
 from infra.report import narrow_table, render_report
 from infra.run import Run
 from infra.summary import StepSummary
+from tasks.naming import stage_run_name
 
 
-@task(name="record_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(name="record_step", task_run_name=stage_run_name("record_step"),
+      cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def record_step(run: Run, summary: StepSummary) -> list[dict]:
     """Store the summary at ``RunLayout.summary(step)``, then refresh the run's artifacts.
 

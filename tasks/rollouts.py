@@ -16,11 +16,13 @@ from infra.run import Run
 from infra.store import write_step
 from infra.summary import RolloutStats
 from tasks.lineage import as_asset
+from tasks.naming import stage_run_name
 
 ROLLOUTS_RESULT_KEY = "agentrl-rollouts/{parameters[run].config.run_id}/step-{parameters[step]}.pickle"
 
 
-@task(name="collect_rollouts", persist_result=True, result_storage_key=ROLLOUTS_RESULT_KEY)
+@task(name="collect_rollouts", task_run_name=stage_run_name("collect_rollouts"),
+      persist_result=True, result_storage_key=ROLLOUTS_RESULT_KEY)
 def collect_rollouts(run: Run, task_ids: list[str], step: int) -> RolloutStats:
     """Collect a batch of ``len(task_ids)`` complete groups and write ``trajectories/step-N.parquet``.
 

@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.run import Run
 from infra.store import read_step, write_divergence
 from infra.summary import RolloutStats, TrainStats
+from tasks.naming import stage_run_name
 
 
 def train(run: Run, batch: RolloutStats, step: int) -> TrainStats:
@@ -26,7 +27,7 @@ def train(run: Run, batch: RolloutStats, step: int) -> TrainStats:
                    stage_s=time.monotonic() - start)
 
 
-@task(name="train_step", cache_policy=NO_CACHE)
+@task(name="train_step", task_run_name=stage_run_name("train_step"), cache_policy=NO_CACHE)
 def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
     """Read the step's rows back from storage and run one GRPO step on them.
 
@@ -44,7 +45,7 @@ def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
     return TrainStats(metrics, lag, 0.0, run.trainer_restored)
 
 
-@task(name="save_trainer_state", cache_policy=NO_CACHE)
+@task(name="save_trainer_state", task_run_name=stage_run_name("save_trainer_state"), cache_policy=NO_CACHE)
 def save_trainer_state(run: Run, version: int) -> float:
     """Save the trainer's state under tag ``v{version}`` (the weights of checkpoint vN); keep the newest two tags.
 

@@ -11,9 +11,10 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.checkpoint import publish
 from infra.run import Run
+from tasks.naming import stage_run_name
 
 
-@task(name="export_weights", cache_policy=NO_CACHE)
+@task(name="export_weights", task_run_name=stage_run_name("export_weights"), cache_policy=NO_CACHE)
 def export_weights(run: Run, version: int) -> str:
     """Write the trainer's weights and the tokenizer as an HF safetensors folder; returns its path."""
     local = run.layout.work / f"export-v{version}"
@@ -24,7 +25,7 @@ def export_weights(run: Run, version: int) -> str:
     return str(local)
 
 
-@task(name="publish_checkpoint", cache_policy=NO_CACHE)
+@task(name="publish_checkpoint", task_run_name=stage_run_name("publish_checkpoint"), cache_policy=NO_CACHE)
 def publish_checkpoint(run: Run, uri: str, version: int, step: int, export_dir: str = "") -> dict:
     """Upload an exported folder (exported now when ``export_dir`` is empty) with the manifest last.
 

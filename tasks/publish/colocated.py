@@ -11,10 +11,11 @@ from prefect.futures import PrefectFuture
 
 from infra.config import ColocatedPublish
 from infra.run import Policy, Run
+from tasks.naming import stage_run_name
 from tasks.publish.checkpoint import export_weights, loaded
 
 
-@task(name="load_colocated", cache_policy=NO_CACHE)
+@task(name="load_colocated", task_run_name=stage_run_name("load_colocated"), cache_policy=NO_CACHE)
 def load_colocated(run: Run, version: int) -> dict:
     """The in-process engine loads the trainer's float32 tensors from memory.
 

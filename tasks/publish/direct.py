@@ -20,10 +20,11 @@ from infra.checkpoint import CheckpointError, file_entries
 from infra.config import DirectPublish, InprocEngine, ServersEngine
 from infra.publish import DirectSource, pull
 from infra.run import Policy, Run
+from tasks.naming import stage_run_name
 from tasks.publish.checkpoint import export_weights, loaded, refused
 
 
-@task(name="load_direct", cache_policy=NO_CACHE)
+@task(name="load_direct", task_run_name=stage_run_name("load_direct"), cache_policy=NO_CACHE)
 def load_direct(run: Run, export_dir: str, version: int, files: dict | None = None, host: str = "127.0.0.1") -> dict:
     """Serve ``export_dir`` over HTTP on ``host``; the engine pulls it, verifies it, and loads it.
 

@@ -12,10 +12,11 @@ from prefect.cache_policies import NO_CACHE
 from infra.checkpoint import CheckpointError, fetch
 from infra.config import StoragePublish
 from infra.run import Policy, Run
+from tasks.naming import stage_run_name
 from tasks.publish.checkpoint import loaded, refused
 
 
-@task(name="hot_load", cache_policy=NO_CACHE, retries=1)
+@task(name="hot_load", task_run_name=stage_run_name("hot_load"), cache_policy=NO_CACHE, retries=1)
 def hot_load(run: Run, uri: str) -> dict:
     """Fetch a published checkpoint, verify it against its manifest, and reload the engine's weights.
 
