@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.naming import flow_run_name, tagged
 from infra.config import RunConfig
@@ -19,7 +19,9 @@ from infra.run import Run
 from infra.summary import StepSummary
 from tasks.build_envs import build_envs, materialize_task_images, task_image_assets
 from tasks.difficulty import select_step_tasks
+from tasks.episodes import publish_step_episodes
 from tasks.evaluate import evaluate_published
+from tasks.lineage import publish_step_lineage
 from tasks.policy import prepare_policy
 from tasks.publish import Publisher
 from tasks.report import record_step
@@ -53,8 +55,27 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
             summary = StepSummary.of(step, selection, batch, trained, published, evaluated)
             print(summary.line())
             record_step(run, summary)
+            episodes = publish_episodes(run, step, batch.uri)
+            publish_step_lineage(run, step, {
+                "trajectories": batch.uri, "dropped groups": run.layout.dropped(step),
+                "checkpoint": published.checkpoint,
+                "eval report": run.layout.eval_report(published.version) if evaluated.report else "",
+                "episodes": episodes, "summary": run.layout.summary(step), "run report": run.layout.report})
             summaries.append(summary.to_json())
     return summaries
+
+
+def publish_episodes(run: Run, step: int, trajectories_uri: str) -> str:
+    """The step's episode viewer (``tasks.episodes``); returns its URI, or "" when it could not be rendered.
+
+    A viewer that fails (a row its decoder cannot split) is logged and leaves the step as it is: it
+    explains the step, it is not part of it.
+    """
+    state = publish_step_episodes(run, step, trajectories_uri, return_state=True)
+    if state.is_completed():
+        return state.result()
+    get_run_logger().warning("step %d: episode viewer not published: %s", step, state.message)
+    return ""
 
 
 def check_eval_precision(config: RunConfig) -> None:

@@ -6,9 +6,11 @@ import time
 from dataclasses import replace
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.difficulty import pass_stats, select_tasks
+from infra.layout import artifact_key
 from infra.run import Run
 from infra.store import read_history
 from infra.summary import Selection
@@ -36,5 +38,22 @@ def refresh_difficulty(run: Run, step: int) -> Selection:
     stats = pass_stats(records, d.window)
     sel = select_tasks(train_ids, stats, r.tasks_per_step, d.window, d.hopeless_min_attempts,
                        d.explore_min_attempts, seed=r.seed * 7919 + step, revisit_frac=d.revisit_frac)
-    return Selection(sel.chosen, sel.skipped, sel.revisited,
-                     {t: stats[t].pass_rate for t in sel.chosen if t in stats})
+    selection = Selection(sel.chosen, sel.skipped, sel.revisited,
+                          {t: stats[t].pass_rate for t in sel.chosen if t in stats})
+    create_table_artifact(key=artifact_key(run.config.run_id, "difficulty"),
+                          table=pool_rows(train_ids, stats, selection),
+                          description=f"{run.config.run_id} step {step}: the training pool's pass rates (last "
+                                      f"{d.window} attempts), the tasks chosen and those skipped, and why")
+    return selection
+
+
+def pool_rows(train_ids: list[str], stats: dict, selection: Selection) -> list[dict]:
+    """One row per training task: attempts, pass rate, and this step's verdict (chosen, revisited, skipped: why)."""
+    rows = []
+    for t in sorted(train_ids):
+        s = stats.get(t)
+        verdict = ("revisited" if t in selection.revisited else "chosen" if t in selection.chosen
+                   else f"skipped: {selection.skipped[t]}" if t in selection.skipped else "not sampled")
+        rows.append({"task": t, "attempts": s.attempts if s else 0,
+                     "pass rate": round(s.pass_rate, 3) if s else "untried", "this step": verdict})
+    return rows

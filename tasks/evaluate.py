@@ -6,10 +6,12 @@ import json
 import time
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 from prefect.assets import add_asset_metadata
 from prefect.cache_policies import NO_CACHE
 
 from infra.evaluate import PrecisionMismatch, compare_reports, eval_precision, eval_report
+from infra.layout import artifact_key
 from infra.rollout.collector import CollectSettings
 from infra.run import Run
 from infra.summary import EvalResult, PublishResult
@@ -64,10 +66,31 @@ def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
         if previous.get("dtype") == report["dtype"] and "pass_at_k" in previous:
             report["compared_to"] = compare_reports(report, previous)
     run.fs.pipe_file(report_uri, json.dumps(report, indent=1).encode())
+    previous = json.loads(run.fs.cat_file(previous_uri)) if report.get("compared_to") else None
+    create_table_artifact(key=artifact_key(run.config.run_id, f"eval-v{version}"),
+                          table=per_task_rows(report, previous),
+                          description=f"{run.config.run_id} v{version}: pass@k per held-out task ({report['dtype']})"
+                                      + (f", against v{previous['version']}" if previous else ""))
     add_asset_metadata(report_uri, {"version": report["version"], "dtype": report["dtype"],
                                     "precision_mismatch": report["precision_mismatch"],
                                     **{f"pass_at_{k}": v for k, v in report["pass_at_k"].items()}})
     return report
+
+
+def per_task_rows(report: dict, previous: dict | None = None) -> list[dict]:
+    """One table row per held-out task: samples, passed, pass@k and, with ``previous``, its pass@k and the change."""
+    rows = []
+    for task_id, t in sorted(report["per_task"].items()):
+        row = {"task": task_id, "samples": t["samples"], "passed": t["passed"],
+               **{f"pass@{k}": round(v, 3) for k, v in t["pass_at_k"].items()}}
+        before = (previous or {}).get("per_task", {}).get(task_id)
+        if previous is not None:
+            for k, v in t["pass_at_k"].items():
+                old = before["pass_at_k"].get(k) if before else None
+                row[f"v{previous['version']} pass@{k}"] = "new" if old is None else round(old, 3)
+                row[f"change pass@{k}"] = "" if old is None else f"{v - old:+.3f}"
+        rows.append(row)
+    return rows
 
 
 def evaluate_published(run: Run, published: PublishResult) -> EvalResult:

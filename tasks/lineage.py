@@ -21,8 +21,9 @@ import functools
 import json
 import time
 
-from prefect import Task
+from prefect import Task, task
 from prefect.assets import materialize
+from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
@@ -95,3 +96,46 @@ def as_asset(stage: Task, key: str, deps: list[str]) -> Materialization:
     return Materialization(materialize(key, asset_deps=deps, name=stage.name, task_run_name=stage.task_run_name,
                                        retries=stage.retries,
                                        retry_delay_seconds=stage.retry_delay_seconds, **options)(stage_then_lineage))
+
+
+def step_lineage_markdown(run, step: int, objects: dict[str, str], sign_s: int = 7 * 24 * 3600) -> str:
+    """Markdown of a step's stored objects (label -> ``s3://`` URI) with their declared inputs.
+
+    Each object that exists gets its URI, a presigned HTTP link valid ``sign_s`` seconds (S3's
+    maximum is 7 days; the URI itself is permanent) and its inputs from the stored lineage record.
+    """
+    fs = run.fs
+    fs.invalidate_cache()
+    lines = [f"# {run.config.run_id}: step {step}, what it made and from what", "",
+             "| object | stored at | open | made from |", "|---|---|---|---|"]
+    for label, uri in objects.items():
+        if not uri or not fs.exists(uri):
+            continue
+        inputs = []
+        if fs.exists(RunLayout.lineage(uri)):
+            inputs = json.loads(fs.cat_file(RunLayout.lineage(uri)))["inputs"]
+        target = uri if fs.isfile(uri) else f"{uri.rstrip('/')}/manifest.json"
+        try:
+            link = f"[open]({fs.sign(target, expiration=sign_s)})"
+        except (NotImplementedError, ValueError):
+            link = ""
+        made_from = "<br>".join(f"`{i}`" for i in inputs) or "(declared none)"
+        lines.append(f"| {label} | `{uri}` | {link} | {made_from} |")
+    lines += ["", f"Tree of any of them: `python -m flows.lineage <uri>`; an episode: "
+              f"`python -m flows.show_episode --config configs/{run.config.name or 'quickstart'}.toml "
+              f"--run-id {run.config.run_id} --step {step} --chosen`."]
+    return "\n".join(lines)
+
+
+@task(name="publish_step_lineage", task_run_name="publish_step_lineage step {step}", cache_policy=NO_CACHE,
+      retries=2, retry_delay_seconds=2)
+def publish_step_lineage(run, step: int, objects: dict[str, str]) -> str:
+    """The ``<run>-step-<step>-lineage`` markdown artifact (:func:`step_lineage_markdown`); returns its key."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from infra.layout import artifact_key
+
+    key = artifact_key(run.config.run_id, f"step-{step}-lineage")
+    create_markdown_artifact(key=key, markdown=step_lineage_markdown(run, step, objects),
+                             description=f"{run.config.run_id} step {step}: trajectories, checkpoint, eval report")
+    return key

@@ -65,3 +65,17 @@ def test_revisit_frac_out_of_range_is_refused():
 
     with pytest.raises(ValueError, match="revisit_frac"):
         select_tasks(["a"], {}, 1, 8, 16, 4, seed=0, revisit_frac=1.5)
+
+
+def test_pool_rows_say_why_each_task_was_skipped():
+    from infra.difficulty import pass_stats, select_tasks
+    from infra.summary import Selection
+    from tasks.difficulty import pool_rows
+
+    records = [("a", s, 1.0, "success") for s in range(8)] + [("b", s, 0.0, "model_failure") for s in range(8)]
+    stats = pass_stats(records, 4)
+    sel = select_tasks(["a", "b", "c"], stats, 2, 4, 100, 2, seed=0)
+    rows = pool_rows(["a", "b", "c"], stats, Selection(sel.chosen, sel.skipped, sel.revisited, {}))
+    assert rows[0] == {"task": "a", "attempts": 8, "pass rate": 1.0, "this step": f"skipped: {sel.skipped['a']}"}
+    assert rows[2] == {"task": "c", "attempts": 0, "pass rate": "untried", "this step": "chosen"}
+    assert rows[1]["this step"] == "chosen"  # 8 failures, below hopeless_min_attempts=100: still eligible

@@ -61,3 +61,18 @@ def test_precision_other_than_serving_is_refused_unless_allowed():
     with pytest.raises(PrecisionMismatch, match="eval.dtype=bfloat16 but model.serving_dtype=float32"):
         eval_precision("float32", "bfloat16", False)
     assert eval_precision("float32", "bfloat16", True) == ("bfloat16", True)
+
+
+def test_per_task_rows_against_the_previous_version():
+    from tasks.evaluate import per_task_rows
+
+    report = {"version": 2, "per_task": {"tb/make-dir": {"samples": 4, "passed": 3, "pass_at_k": {"1": 0.75}},
+                                         "humaneval/HumanEval/163": {"samples": 4, "passed": 0,
+                                                                     "pass_at_k": {"1": 0.0}}}}
+    previous = {"version": 1, "per_task": {"tb/make-dir": {"samples": 4, "passed": 1, "pass_at_k": {"1": 0.25}}}}
+    assert per_task_rows(report, previous) == [
+        {"task": "humaneval/HumanEval/163", "samples": 4, "passed": 0, "pass@1": 0.0, "v1 pass@1": "new",
+         "change pass@1": ""},
+        {"task": "tb/make-dir", "samples": 4, "passed": 3, "pass@1": 0.75, "v1 pass@1": 0.25,
+         "change pass@1": "+0.500"}]
+    assert per_task_rows(report)[1] == {"task": "tb/make-dir", "samples": 4, "passed": 3, "pass@1": 0.75}
