@@ -49,11 +49,17 @@ def test_deploy_all_and_run_build_envs(server):
                               text=True, timeout=300)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     names = {d["name"] for d in httpx.post(f"{server}/deployments/filter", json={}, timeout=10).json()}
-    assert names == {"post_train", "build_envs", "refresh_difficulty", "collect_rollouts", "evaluate"}
-    post_train = next(d for d in httpx.post(f"{server}/deployments/filter", json={}, timeout=10).json()
-                      if d["name"] == "post_train")
-    # the pydantic run config is the parameter form
-    assert "config" in post_train["parameter_openapi_schema"]["properties"]
+    configs = {p.stem for p in (ROOT / "configs").glob("*.toml")}
+    assert names == configs | {"build_envs", "refresh_difficulty", "collect_rollouts", "evaluate"}
+    quickstart = next(d for d in httpx.post(f"{server}/deployments/filter", json={}, timeout=10).json()
+                      if d["name"] == "quickstart")
+    # the pydantic run config is the parameter form, its defaults the config's values, with help text
+    schema = quickstart["parameter_openapi_schema"]
+    assert "config" in schema["properties"]
+    assert quickstart["parameters"]["config"]["tasks"]["task_sets"][0] == "envs/multiturn"
+    assert quickstart["tags"] == ["config:quickstart"]
+    run_config = (schema.get("definitions") or schema["$defs"])["RunConfig"]["properties"]
+    assert "resumes it" in run_config["run_id"]["description"]
 
     run_id = f"dep-{uuid.uuid4().hex[:8]}"
     params = {"config": {"run_id": run_id, "tasks": {"humaneval_train": 1, "humaneval_eval": 0}}}
