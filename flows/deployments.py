@@ -1,4 +1,4 @@
-"""``prefect.yaml`` from the shipped configs: a ``post_train`` deployment per ``configs/*.toml``, its values the defaults.
+"""``prefect.yaml`` from the shipped configs: a ``post_train`` deployment per config, its values the defaults.
 
 ``python -m flows.deployments`` rewrites ``prefect.yaml`` (``--check`` fails if it is out of date; a
 unit test runs that). Deployments: ``post_train/<config>`` for each config (``quickstart`` with the
