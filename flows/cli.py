@@ -4,6 +4,7 @@ Every input a run needs is checked before torch, vLLM or Prefect start (seconds,
 after which a flow would otherwise fail inside a task, retried): the config, the S3 endpoint and
 bucket, the Docker engine, the task sources, the model folder. A bad one prints a single
 ``error: ...`` line naming the file, field or endpoint and exits 2; nothing has been written.
+The flow then runs against one Prefect backend (``infra.prefect_backend.flow_backend``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
     # errors from here on happen inside the flow (maybe after writes): Prefect logs them, they propagate
-    result = flow_fn(config, **{name: getattr(args, name) for name in extra})
+    from infra.prefect_backend import flow_backend
+
+    with flow_backend(config.run_id):  # the checkout's server if up, else a temporary one; a watchdog
+        result = flow_fn(config, **{name: getattr(args, name) for name in extra})
     show(result, config)
     return 0

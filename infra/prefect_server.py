@@ -1,8 +1,12 @@
 """A local Prefect server and a process worker, started and stopped by pid file (``make server``).
 
 The server (``prefect server start``, SQLite under ``$PREFECT_HOME``) listens on 127.0.0.1; the
-worker polls a process work pool (created if missing). ``stop`` ends exactly what ``start``
-started. This module runs the ``prefect`` CLI as subprocesses and does not import Prefect.
+worker polls a process work pool (created if missing). ``start`` also saves the API URL in the
+checkout's Prefect profile (``agentrl`` in ``$PREFECT_HOME/profiles.toml``, made active), so every
+``make`` target, flow and ``prefect`` command with this ``PREFECT_HOME`` reaches this server instead of
+starting another on the same database, and creates the zombie-flow automation (runs whose heartbeats
+stop are marked Crashed). ``stop`` ends exactly what ``start`` started and removes the URL from the
+profile. This module runs the ``prefect`` CLI as subprocesses and does not import Prefect.
 """
 
 from __future__ import annotations
@@ -17,6 +21,34 @@ import urllib.request
 from pathlib import Path
 
 POOL = "agentrl-process"
+PROFILE = "agentrl"
+
+
+def profiles_path() -> Path:
+    """The Prefect profiles file of this checkout (``$PREFECT_PROFILES_PATH``, else ``$PREFECT_HOME/profiles.toml``)."""
+    if os.environ.get("PREFECT_PROFILES_PATH"):
+        return Path(os.environ["PREFECT_PROFILES_PATH"])
+    return Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")) / "profiles.toml"
+
+
+def save_api_url(api_url: str | None) -> Path:
+    """Set (or, with None, remove) ``PREFECT_API_URL`` in the ``agentrl`` profile and make it active; returns the file.
+
+    Other profiles in the file are kept.
+    """
+    import toml
+
+    path = profiles_path()
+    data = toml.loads(path.read_text()) if path.is_file() else {}
+    profile = data.setdefault("profiles", {}).setdefault(PROFILE, {})
+    if api_url is None:
+        profile.pop("PREFECT_API_URL", None)
+    else:
+        profile["PREFECT_API_URL"] = api_url
+        data["active"] = PROFILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(toml.dumps(data))
+    return path
 
 
 def _prefect() -> str:
@@ -51,7 +83,8 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     state.mkdir(parents=True, exist_ok=True)
     api_url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2")}
+           "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
+           "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
     if _alive(server_pid) is None:
         with open(server_log, "ab") as log:
@@ -69,6 +102,10 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     if pools.returncode != 0:
         subprocess.run([_prefect(), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
                        capture_output=True)
+    from infra.prefect_backend import ensure_zombie_automation
+
+    ensure_zombie_automation(api_url)
+    save_api_url(api_url)
     worker_pid, worker_log = state / "prefect-worker.pid", state / "prefect-worker.log"
     if _alive(worker_pid) is None:
         with open(worker_log, "ab") as log:
@@ -95,6 +132,7 @@ def stop(state: Path) -> list[str]:
                 os.killpg(pid, signal.SIGKILL)
             stopped.append(name)
         pid_file.unlink(missing_ok=True)
+    save_api_url(None)
     return stopped
 
 
