@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -51,8 +52,30 @@ def run_post_train(config: RunConfig) -> FinishedRun:
     return finished
 
 
+@pytest.fixture(scope="module", autouse=True)
+def checkout_server(tmp_path_factory, services_env):
+    """The Prefect server and worker of ``make server`` (``infra.prefect_server.start``) with a PREFECT_HOME of its
+    own; this module's flows report to it (a real server, whose UI the browser test reads)."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from infra import prefect_server
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    api_url = prefect_server.start(home, port=port)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            yield api_url
+    finally:
+        prefect_server.stop(home)
+
+
 @pytest.fixture(scope="module")
-def finished_run(tiny_model, s3, prefect_harness):
+def finished_run(tiny_model, s3):
 
     config = RunConfig(
         run_id=f"it-{uuid.uuid4().hex[:8]}", steps=1,
@@ -67,7 +90,7 @@ def finished_run(tiny_model, s3, prefect_harness):
 
 
 @pytest.fixture(scope="module")
-def evaluated_run(tiny_model, s3, prefect_harness):
+def evaluated_run(tiny_model, s3):
     """A run of its own for the evaluate flow test, which adds reports beside v1 (the lineage tests count v1's)."""
     config = RunConfig(
         run_id=f"ev-{uuid.uuid4().hex[:8]}", steps=1,
@@ -113,9 +136,11 @@ def test_report_and_summaries_stored_and_shown(finished_run, s3):
     stored = json.loads(s3.cat_file(f"{run}/summaries/step-000000.json"))
     assert stored["checkpoint"] == summaries[0]["checkpoint"] and stored["reward_mean"] == summaries[0]["reward_mean"]
     report = s3.cat_file(f"{run}/report.md").decode()
-    assert report.count("data:image/png;base64,") == 4 and "| 0 |" in report
+    assert report.count("data:image/png;base64,") == 6 and "| 0 |" in report
     api = PREFECT_API_URL.value()
-    for suffix, kind in (("report", "markdown"), ("steps", "table")):
+    for suffix, kind in (("report", "markdown"), ("steps", "table"), ("steps-all", "table"),
+                         ("episodes-step-0", "markdown"), ("step-0-lineage", "markdown"), ("difficulty", "table"),
+                         ("eval-v1", "table")):
         found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
             "any_": [artifact_key(config.run_id, suffix)]}}}, timeout=10).json()
         assert found and found[0]["type"] == kind, found
@@ -539,3 +564,46 @@ def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(evalua
     s3.invalidate_cache()
     assert json.loads(s3.cat_file(f"{ckpt}/eval.json"))["dtype"] == "bfloat16"
     assert json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json"))["evaluated_at"] == before["evaluated_at"]
+
+
+def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, s3, checkout_server, tmp_path):
+    """What a person sees, read from the pages headless Chromium renders from the checkout's server."""
+    from infra.layout import artifact_key
+    from tests.browser import Browser
+
+    config, summaries = finished_run
+    assert summaries[0]["rows_with_signal"] == 0  # the tiny random model solves nothing: a step that cannot learn
+    api, ui = checkout_server, checkout_server.removesuffix("/api")
+    shots = Path(os.environ.get("AGENTRL_UI_SHOTS", tmp_path))
+    flow_run = httpx.get(f"{api}/flow_runs/{finished_run.flow_run_id}", timeout=10).json()
+    assert flow_run["name"] == config.run_id and f"run:{config.run_id}" in flow_run["tags"]
+
+    def artifact_id(suffix: str) -> str:
+        found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
+            "any_": [artifact_key(config.run_id, suffix)]}}}, timeout=10).json()
+        return found[0]["id"]
+
+    browser = Browser()
+    try:
+        text = browser.open(f"{ui}/runs/flow-run/{finished_run.flow_run_id}", until=config.run_id)
+        browser.screenshot(shots / "flow-run.png")
+        assert config.run_id in text and "Completed" in text, text[:2000]
+
+        text = browser.open(f"{ui}/artifacts/artifact/{artifact_id('report')}", until="needs a look")
+        browser.screenshot(shots / "report.png")
+        assert "Step 0 needs a look" in text and "did not learn (rows_with_signal=0/" in text, text[:2000]
+
+        text = browser.open(f"{ui}/artifacts/artifact/{artifact_id('episodes-step-0')}", until="Turn 1")
+        browser.screenshot(shots / "episodes.png")
+        assert "Episodes of step 0" in text and "Turn 1" in text, text[:2000]
+
+        text = browser.open(f"{ui}/artifacts/artifact/{artifact_id('step-0-lineage')}", until="trajectories")
+        browser.screenshot(shots / "lineage.png")
+        traj = f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"
+        assert traj in text and "docker://agentrl-task-" in text, text[:2000]
+        link = next(h for h in browser.links() if f"/agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"
+                    in h)
+    finally:
+        browser.close()
+    fetched = httpx.get(link, timeout=30)  # the link opens the stored object itself
+    assert fetched.status_code == 200 and fetched.content == s3.cat_file(traj)
