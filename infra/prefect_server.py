@@ -31,14 +31,14 @@ def profiles_path() -> Path:
     return Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")) / "profiles.toml"
 
 
-def save_api_url(api_url: str | None) -> Path:
+def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
     """Set (or, with None, remove) ``PREFECT_API_URL`` in the ``agentrl`` profile and make it active; returns the file.
 
-    Other profiles in the file are kept.
+    ``path``: the profiles file (default :func:`profiles_path`). Other profiles in the file are kept.
     """
     import toml
 
-    path = profiles_path()
+    path = path or profiles_path()
     data = toml.loads(path.read_text()) if path.is_file() else {}
     profile = data.setdefault("profiles", {}).setdefault(PROFILE, {})
     if api_url is None:
@@ -144,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     default_state = os.environ.get("AGENTRL_STATE", str(Path(__file__).parent.parent / ".state"))
     parser.add_argument("--state", default=default_state)
     args = parser.parse_args(argv)
+    # a new shell (no PREFECT_HOME) reads the user's profiles: the server is saved there too, so the commands
+    # `prefect deploy` prints reach it; `stop` removes it again
+    user_profiles = Path.home() / ".prefect" / "profiles.toml"
     if args.action == "start":
-        print(f"Prefect API {start(Path(args.state), args.port)} (UI http://127.0.0.1:{args.port}); "
-              f"worker on pool {POOL}")
+        api_url = start(Path(args.state), args.port)
+        if user_profiles != profiles_path():
+            save_api_url(api_url, user_profiles)
+        print(f"Prefect API {api_url} (UI http://127.0.0.1:{args.port}); worker on pool {POOL}; saved as the "
+              f"active profile '{PROFILE}' in {profiles_path()} and {user_profiles}")
     else:
         print(f"stopped: {', '.join(stop(Path(args.state))) or 'nothing'}")
+        if user_profiles != profiles_path() and user_profiles.is_file():
+            save_api_url(None, user_profiles)
     return 0
 
 
