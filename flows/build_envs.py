@@ -23,6 +23,11 @@ DEFAULT_CONFIG = RunConfig()
 def build_envs(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = False) -> dict:
     """Build every task image of the config and write ``envs.json``.
 
+    Args:
+        config: the run config (the form's defaults are the deployment's config; its run_id names the run).
+        allow_config_change: continue a stored run whose config.json differs from ``config`` (the old one is
+            kept in config-history/); off: such a run is refused, naming the differing fields.
+
     Returns:
         ``{"catalog": URI, "images": [asset keys]}``.
     """

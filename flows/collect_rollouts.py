@@ -36,6 +36,14 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     or the cluster at ``ray_address``); it needs ``engine.kind = "servers"``, whose vLLM
     servers this flow starts and the workers reach over HTTP.
 
+    Args:
+        config: the run config (the form's defaults are the deployment's config; its run_id names the run).
+        step: the step to collect (default: the next one after the newest published checkpoint).
+        fan_out: ``local`` (this process) or ``ray`` (one task per group on Ray).
+        ray_address: the Ray cluster for ``fan_out="ray"`` (empty: a local Ray instance).
+        allow_config_change: continue a stored run whose config.json differs from ``config`` (the old one is
+            kept in config-history/); off: such a run is refused, naming the differing fields.
+
     Returns:
         The collection summary (``infra.summary.RolloutStats`` fields: URI, rows, time to batch,
         outcomes, reward mean, ...; with Ray also ``fan_out`` and ``worker_pids``).

@@ -39,6 +39,13 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
     ``reused: true`` marks a stored report returned as is (same dtype and settings; ``force``
     re-evaluates anyway).
 
+    Args:
+        config: the run config (the form's defaults are the deployment's config; its run_id names the run).
+        version: the checkpoint version to evaluate (default: the newest published).
+        force: re-evaluate even when a report with the same dtype and settings is stored.
+        allow_config_change: evaluate although the run's stored config differs outside ``eval`` and
+            ``model.serving_dtype`` (which an evaluation may set otherwise).
+
     Raises:
         PrecisionMismatch: ``eval.dtype`` is not the serving dtype and the mismatch is not allowed
             (checked before anything loads).

@@ -39,6 +39,11 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
     here, before any task or write). The config is stored with the run; resuming it with another config
     is refused (``infra.config_record``) unless ``allow_config_change``. Summary keys: see
     ``infra.summary.StepSummary.to_json``.
+
+    Args:
+        config: the run config (the form's defaults are the deployment's config; its run_id names the run).
+        allow_config_change: continue a stored run whose config.json differs from ``config`` (the old one is
+            kept in config-history/); off: such a run is refused, naming the differing fields.
     """
     check_eval_precision(config)
     with tagged(config), Run.open(config) as run, Publisher(run) as publish:

@@ -21,7 +21,12 @@ DEFAULT_CONFIG = RunConfig()
 
 @flow(name="refresh_difficulty", flow_run_name=flow_run_name, log_prints=True)
 def refresh_difficulty(config: RunConfig = DEFAULT_CONFIG, step: int = 0) -> dict:
-    """Choose the tasks of ``step`` from past pass rates (see ``infra.difficulty``)."""
+    """Choose the tasks of ``step`` from past pass rates (see ``infra.difficulty``).
+
+    Args:
+        config: the run config (the form's defaults are the deployment's config; its run_id names the run).
+        step: the step whose task sample to draw (the sample is seeded by the step).
+    """
     with tagged(config), Run.open(config, docker=False, model=False, tasks=False) as run:
         selection = refresh_task(run, step)
     print(f"step {step}: chosen {selection.chosen}, skipped {selection.skipped}, revisited {selection.revisited}")

@@ -46,3 +46,22 @@ def test_the_forms_values_validate_back_into_the_same_config(schema):
     assert validate({"config": picked}, schema, raise_on_error=True) == []
     assert post_train.validate_parameters({"config": picked})["config"] == RunConfig.model_validate(picked)
     assert validate({"config": {"engine": {"kind": "gpu"}}}, schema)  # an unknown kind fails the server's check
+
+
+@pytest.mark.parametrize("name", ["post_train", "build_envs", "collect_rollouts", "evaluate", "refresh_difficulty"])
+def test_every_form_field_has_help_text(name):
+    """The form shows each field's description: flow parameters from the docstring's Args, config fields from
+    their attribute docstrings (a field whose own text equals its table's is shown with the table's)."""
+    import importlib
+
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(getattr(importlib.import_module(f"flows.{name}"), name).fn).model_dump()
+    defs = schema.get("definitions") or schema.get("$defs") or {}
+    missing = [k for k, v in schema["properties"].items() if not v.get("description")]
+    for model, d in defs.items():
+        for field, prop in d.get("properties", {}).items():
+            ref = prop.get("$ref", "").rsplit("/", 1)[-1]
+            if not prop.get("description") and not defs.get(ref, {}).get("description"):
+                missing.append(f"{model}.{field}")
+    assert missing == []
