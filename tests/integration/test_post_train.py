@@ -577,6 +577,10 @@ def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, 
     shots = Path(os.environ.get("AGENTRL_UI_SHOTS", tmp_path))
     flow_run = httpx.get(f"{api}/flow_runs/{finished_run.flow_run_id}", timeout=10).json()
     assert flow_run["name"] == config.run_id and f"run:{config.run_id}" in flow_run["tags"]
+    task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}},
+                           timeout=10).json()
+    assert {"collect_rollouts step 0", "record_step step 0", "evaluate v1"} <= {t["name"] for t in task_runs}
+    assert all(f"run:{config.run_id}" in t["tags"] for t in task_runs)
 
     def artifact_id(suffix: str) -> str:
         found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
