@@ -75,7 +75,7 @@ def run_flow_cli(flow_fn, doc: str, argv: list[str] | None = None,
     # errors from here on happen inside the flow (maybe after writes): Prefect logs them, they propagate
     from infra.prefect_backend import flow_backend
 
-    with flow_backend(config.run_id):  # the checkout's server if up, else a temporary one; a watchdog
+    with flow_backend():  # the checkout's server if up, else a temporary one; a watchdog
         result = flow_fn(config, **{name: getattr(args, name) for name in extra})
     show(result, config)
     return 0

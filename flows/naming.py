@@ -35,14 +35,20 @@ def run_tags(config: RunConfig) -> list[str]:
 
 @contextmanager
 def tagged(config: RunConfig) -> Iterator[list[str]]:
-    """Tag the current flow run with :func:`run_tags` and every task run started inside the block."""
+    """Tag the current flow run with :func:`run_tags` and every task run started inside the block.
+
+    The flow run is also recorded for the watchdog of ``infra.prefect_backend.flow_backend``.
+    """
     from prefect import tags
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
+    from infra.prefect_backend import record_flow_run
+
     wanted = run_tags(config)
     ctx = FlowRunContext.get()
     if ctx is not None and ctx.flow_run is not None:
+        record_flow_run(str(ctx.flow_run.id))  # the watchdog crashes it if this process dies mid-run
         missing = [t for t in wanted if t not in ctx.flow_run.tags]
         if missing:
             with get_client(sync_client=True) as client:

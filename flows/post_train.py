@@ -61,11 +61,13 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
             print(summary.line())
             record_step(run, summary)
             episodes = publish_episodes(run, step, batch.uri)
-            publish_step_lineage(run, step, {
+            lineage = publish_step_lineage(run, step, return_state=True, objects={
                 "trajectories": batch.uri, "dropped groups": run.layout.dropped(step),
                 "checkpoint": published.checkpoint,
                 "eval report": run.layout.eval_report(published.version) if evaluated.report else "",
                 "episodes": episodes, "summary": run.layout.summary(step), "run report": run.layout.report})
+            if not lineage.is_completed():  # it explains the committed step; it is not part of it
+                get_run_logger().warning("step %d: lineage artifact not published: %s", step, lineage.message)
             summaries.append(summary.to_json())
     return summaries
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from pydantic import ValidationError
+
 from infra.config import RunConfig
 from infra.layout import RunLayout
 
@@ -37,6 +39,10 @@ def differences(stored: dict, config: RunConfig, ignore: tuple[str, ...] = ()) -
 
     Fields of :data:`RESUMABLE` and under the dotted prefixes ``ignore`` (``("eval",)``) are not compared.
     """
+    try:  # a record written before a field existed holds no value for it: compare with its default
+        stored = RunConfig.model_validate(stored).model_dump(mode="json")
+    except ValidationError:  # a field since removed or renamed: compare as stored (it shows as a difference)
+        pass
     old, new = _flat(stored), _flat(config.model_dump(mode="json"))
     skip = (*RESUMABLE, *ignore)
     out = []

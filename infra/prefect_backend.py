@@ -6,11 +6,14 @@ A flow started from the command line (``flows.cli``) uses, in order:
 2. otherwise a temporary server of its own on a free port, on the same ``$PREFECT_HOME`` database
    (what Prefect's ephemeral mode does), started here so that it can be stopped for sure.
 
-Never two servers on one SQLite file: a profile whose server is down is reported and ignored.
-Beside the flow runs a watchdog process (``python -m infra.prefect_backend watch``): when the
-flow's process dies without ending its flow runs (SIGKILL, OOM), it marks them ``Crashed`` through
-the API, then stops every process the flow had started (the temporary server, vLLM servers) from
-its last snapshot of the process tree. A server of ``make server`` also crashes silent runs by
+While ``make server`` is up, flows use it rather than a second server on its database; a profile
+whose server is down is reported and ignored. (Two CLI flows without a server each start their
+own temporary server on the same file, as Prefect's ephemeral mode does.) Beside the flow runs a
+watchdog process (``python -m infra.prefect_backend watch``): when the flow's process dies without
+ending its flow runs (SIGKILL, OOM), it marks exactly those runs ``Crashed`` through the API (their
+ids are written to a file by ``flows.naming.tagged``, :data:`FLOW_RUNS_FILE`), then stops every
+process the flow had started (the temporary server, vLLM servers), by pid and start time, from its
+snapshots of the process tree. A server of ``make server`` also crashes silent runs by
 Prefect's documented zombie-flow automation (heartbeats, :func:`ensure_zombie_automation`).
 """
 
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 30
 """Flow-run heartbeat period (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``; Prefect's minimum is 30)."""
 ZOMBIE_AUTOMATION = "agentrl: crash zombie flow runs"
+FLOW_RUNS_FILE = "AGENTRL_FLOW_RUNS_FILE"
+"""Environment variable naming the file where a CLI flow's process lists its flow-run ids (one per line)."""
 
 
 def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
@@ -105,7 +110,7 @@ def configured_api_url() -> str | None:
 
 
 @contextlib.contextmanager
-def flow_backend(run_id: str, home: Path | None = None) -> Iterator[str]:
+def flow_backend(home: Path | None = None) -> Iterator[str]:
     """The Prefect API for one CLI flow run, and its watchdog; yields the API URL.
 
     Inside the block Prefect's settings point at the chosen API with flow heartbeats on. Leaving it
@@ -122,79 +127,111 @@ def flow_backend(run_id: str, home: Path | None = None) -> Iterator[str]:
         api_url = None
     if api_url is None:
         server, api_url = start_temporary_server(home)
-    watchdog = subprocess.Popen([sys.executable, "-m", "infra.prefect_backend", "watch", "--pid", str(os.getpid()),
-                                 "--run-id", run_id, "--api-url", api_url, "--since", str(time.time() - 1)],
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                stdout=open(home / "watchdog.log", "ab"), stderr=subprocess.STDOUT)
+    runs_file = home / f"flow-runs-{os.getpid()}-{time.time_ns()}.txt"
+    runs_file.write_text("")
+    with open(home / "watchdog.log", "ab") as log_file:
+        watchdog = subprocess.Popen([sys.executable, "-m", "infra.prefect_backend", "watch", "--pid", str(os.getpid()),
+                                     "--runs-file", str(runs_file), "--api-url", api_url],
+                                    stdin=subprocess.DEVNULL, start_new_session=True, stdout=log_file,
+                                    stderr=subprocess.STDOUT)
+    previous = os.environ.get(FLOW_RUNS_FILE)
+    os.environ[FLOW_RUNS_FILE] = str(runs_file)
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}):
             yield api_url
     finally:
         watchdog.terminate()
+        watchdog.wait(timeout=10)
+        if previous is None:
+            os.environ.pop(FLOW_RUNS_FILE, None)
+        else:
+            os.environ[FLOW_RUNS_FILE] = previous
+        runs_file.unlink(missing_ok=True)
         if server is not None:
             stop_process_group(server.pid)
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
+def record_flow_run(flow_run_id: str) -> None:
+    """Add a flow run of this process to the watchdog's list (no-op outside :func:`flow_backend`)."""
+    path = os.environ.get(FLOW_RUNS_FILE)
+    if path and Path(path).exists():
+        with open(path, "a") as f:
+            f.write(f"{flow_run_id}\n")
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """``(ppid, state, start time in clock ticks)`` of ``pid`` from ``/proc/pid/stat``; None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live descendant of ``pid``: pid -> start time (so a reused pid is never taken for it)."""
+    children: dict[int, list[tuple[int, int]]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, frontier = set(), [pid]
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[0], []).append((int(entry), st[2]))
+    out, frontier = {}, [pid]
     while frontier:
-        for c in children.get(frontier.pop(), []):
-            if c not in out:
-                out.add(c)
-                frontier.append(c)
+        for child, start in children.get(frontier.pop(), []):
+            if child not in out:
+                out[child] = start
+                frontier.append(child)
     return out
 
 
-def crash_flow_runs(api_url: str, run_id: str, since: float, pid: int) -> list[str]:
-    """Mark ``Crashed`` the flow runs tagged ``run:{run_id}``, started after ``since``, still Running/Pending."""
+def crash_flow_runs(api_url: str, flow_run_ids: list[str], pid: int) -> list[str]:
+    """Mark ``Crashed`` those of ``flow_run_ids`` that are not in a final state; returns their ids."""
     import httpx
 
-    body = {"flow_runs": {"tags": {"all_": [f"run:{run_id}"]}, "state": {"type": {"any_": ["RUNNING", "PENDING"]}},
-                          "start_time": {"after_": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))}}}
-    runs = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10).json()
     crashed = []
-    for fr in runs:
+    for run_id in flow_run_ids:
+        fr = httpx.get(f"{api_url}/flow_runs/{run_id}", timeout=10).json()
+        if (fr.get("state") or {}).get("type") in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED"):
+            continue
         state = {"type": "CRASHED", "name": "Crashed",
                  "message": f"the flow's process (pid {pid}) died without ending this run (killed?); "
                             "marked Crashed by agentrl's watchdog"}
-        httpx.post(f"{api_url}/flow_runs/{fr['id']}/set_state", json={"state": state, "force": True}, timeout=10)
-        crashed.append(fr["id"])
+        httpx.post(f"{api_url}/flow_runs/{run_id}/set_state", json={"state": state, "force": True}, timeout=10)
+        crashed.append(run_id)
     return crashed
 
 
-def watch(pid: int, run_id: str, api_url: str, since: float, period_s: float = 0.5) -> int:
-    """Wait for ``pid`` to exit; if it died with flow runs open, crash them and stop what it started."""
-    known: set[int] = set()
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        known = descendants(pid) - {os.getpid()}
+def watch(pid: int, runs_file: Path, api_url: str, period_s: float = 0.2) -> int:
+    """Wait for ``pid`` to exit; if it died with flow runs open, crash them and stop what it started.
+
+    The flow process is dead once ``/proc`` has no entry for it with its start time, or shows it a
+    zombie; its descendants are every process seen under it (by pid and start time), not only the
+    last snapshot's, since its children are re-parented the moment it dies. A process started less
+    than ``period_s`` before the death can be missed.
+    """
+    me = _stat(pid)
+    if me is None:
+        return 0
+    known: dict[int, int] = {}
+    while (st := _stat(pid)) is not None and st[2] == me[2] and st[1] != "Z":
+        known.update(descendants(pid))
+        known.pop(os.getpid(), None)
         time.sleep(period_s)
+    if not runs_file.exists():  # the flow left flow_backend normally (it removes the file)
+        return 0
+    flow_runs = [line for line in runs_file.read_text().split() if line]
     try:
-        crashed = crash_flow_runs(api_url, run_id, since, pid) if healthy(api_url) else []
+        crashed = crash_flow_runs(api_url, flow_runs, pid) if flow_runs and healthy(api_url) else []
     except Exception as e:  # noqa: BLE001 - the API may be gone with the process; still clean up
         crashed = []
         log.warning("could not mark runs crashed: %s", e)
-    for child in known:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGTERM)
-    time.sleep(2)
-    for child in known:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGKILL)
-    sys.stdout.write(json.dumps({"pid": pid, "run_id": run_id, "crashed": crashed, "stopped": sorted(known)}) + "\n")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for child, start in known.items():
+            if (st := _stat(child)) is not None and st[2] == start:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, sig)
+        time.sleep(2)
+    runs_file.unlink(missing_ok=True)
+    sys.stdout.write(json.dumps({"pid": pid, "crashed": crashed, "stopped": sorted(known)}) + "\n")
     return 0
 
 
@@ -223,15 +260,14 @@ def ensure_zombie_automation(api_url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m infra.prefect_backend watch --pid P --run-id R --api-url U --since T``."""
+    """``python -m infra.prefect_backend watch --pid P --runs-file F --api-url U``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["watch"])
     parser.add_argument("--pid", type=int, required=True)
-    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--runs-file", type=Path, required=True)
     parser.add_argument("--api-url", required=True)
-    parser.add_argument("--since", type=float, required=True)
     args = parser.parse_args(argv)
-    return watch(args.pid, args.run_id, args.api_url, args.since)
+    return watch(args.pid, args.runs_file, args.api_url)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,16 @@ def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
     path = path or profiles_path()
     data = toml.loads(path.read_text()) if path.is_file() else {}
     profile = data.setdefault("profiles", {}).setdefault(PROFILE, {})
+    previous = path.with_name("profiles.agentrl-previous-active")  # the profile active before ours
     if api_url is None:
         profile.pop("PREFECT_API_URL", None)
+        if data.get("active") == PROFILE and previous.is_file():
+            data["active"] = previous.read_text().strip()
+        previous.unlink(missing_ok=True)
     else:
         profile["PREFECT_API_URL"] = api_url
+        if data.get("active", PROFILE) != PROFILE:
+            previous.write_text(data["active"])
         data["active"] = PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(toml.dumps(data))
@@ -74,15 +80,21 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
-def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 180.0) -> str:
+def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 180.0,
+          home: Path | None = None) -> str:
     """Start the server and a worker on ``pool`` unless already running; returns the API URL.
+
+    ``home``: the ``PREFECT_HOME`` of both (its database, and the profile saved there); default the
+    caller's ``$PREFECT_HOME``.
 
     Raises:
         RuntimeError: the server did not become healthy in time (the message has its log tail).
     """
     state.mkdir(parents=True, exist_ok=True)
     api_url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
@@ -105,7 +117,8 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     from infra.prefect_backend import ensure_zombie_automation
 
     ensure_zombie_automation(api_url)
-    save_api_url(api_url)
+    save_api_url(api_url, home / "profiles.toml")
+    (state / "prefect-home").write_text(str(home))
     worker_pid, worker_log = state / "prefect-worker.pid", state / "prefect-worker.log"
     if _alive(worker_pid) is None:
         with open(worker_log, "ab") as log:
@@ -132,7 +145,9 @@ def stop(state: Path) -> list[str]:
                 os.killpg(pid, signal.SIGKILL)
             stopped.append(name)
         pid_file.unlink(missing_ok=True)
-    save_api_url(None)
+    home_file = state / "prefect-home"
+    save_api_url(None, Path(home_file.read_text()) / "profiles.toml" if home_file.is_file() else None)
+    home_file.unlink(missing_ok=True)
     return stopped
 
 

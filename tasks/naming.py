@@ -8,16 +8,15 @@ from collections.abc import Callable
 _VERSION = re.compile(r"/checkpoints/v(\d+)(?:/|$)")
 
 
-def stage_run_name(stage: str) -> Callable[[], str]:
+def stage_run_name(stage: str) -> Callable[..., str]:
     """A ``task_run_name`` callable: ``{stage} step {step}``, else ``{stage} v{version}``, else ``stage``.
 
     The step is the task's ``step`` argument (or its ``summary.step``); the version its ``version`` argument
-    or the first checkpoint URI among its arguments.
+    or the first checkpoint URI among its arguments. Prefect passes ``parameters`` resolved (quoted
+    arguments unwrapped, ``tasks.lineage``); ``prefect.runtime.task_run.parameters`` would still hold them quoted.
     """
-    def name() -> str:
-        from prefect.runtime import task_run
-
-        params = task_run.parameters or {}
+    def name(parameters: dict) -> str:
+        params = parameters or {}
         step = params.get("step", getattr(params.get("summary"), "step", None))
         if isinstance(step, int):
             return f"{stage} step {step}"

@@ -55,11 +55,12 @@ class Browser:
         self.call("Page.enable")
         self.call("Runtime.enable")
 
-    def call(self, method: str, **params) -> dict:
+    def call(self, method: str, timeout_s: float = 60.0, **params) -> dict:
+        """One DevTools command's result. Raises: RuntimeError (its error), TimeoutError (no answer)."""
         self.n += 1
         self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
         while True:
-            msg = json.loads(self.ws.recv())
+            msg = json.loads(self.ws.recv(timeout=timeout_s))
             if msg.get("id") == self.n:
                 if "error" in msg:
                     raise RuntimeError(f"{method}: {msg['error']}")

@@ -66,7 +66,7 @@ def checkout_server(tmp_path_factory, services_env):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    api_url = prefect_server.start(home, port=port)
+    api_url = prefect_server.start(home, port=port, home=home)  # its own database and profile
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             yield api_url
@@ -589,7 +589,7 @@ def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, 
 
     browser = Browser()
     try:
-        text = browser.open(f"{ui}/runs/flow-run/{finished_run.flow_run_id}", until=config.run_id)
+        text = browser.open(f"{ui}/runs/flow-run/{finished_run.flow_run_id}", until="Completed")
         browser.screenshot(shots / "flow-run.png")
         assert config.run_id in text and "Completed" in text, text[:2000]
 

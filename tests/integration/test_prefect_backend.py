@@ -47,6 +47,7 @@ def _start_sleepy(home: Path, run_id: str, tmp_path: Path, env_extra: dict) -> t
         if "RUNNING" in line:
             break
         assert time.monotonic() < deadline and proc.poll() is None, line
+    time.sleep(1.0)  # the watchdog snapshots the process tree every 0.2 s: let it see the new child
     return proc, api_url, int(child_file.read_text())
 
 

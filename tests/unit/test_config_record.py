@@ -68,3 +68,25 @@ def test_evaluation_may_differ_in_the_ignored_fields_only(fs):
 
 def test_load_config_names_the_config_by_its_file():
     assert load_config("configs/learn-agentic.toml").name == "learn-agentic"
+
+
+def test_a_record_from_before_a_field_existed_still_resumes(fs):
+    config = RunConfig(run_id="older")
+    record = config.model_dump(mode="json")
+    del record["rollout"]["top_k"]  # written before top_k existed; its default is what the run used
+    layout = RunLayout("agentrl", "runs", "older")
+    fs.pipe_file(layout.config_record, json.dumps(record).encode())
+    assert claim(fs, config) == layout.config_record
+    record["rollout"]["no_such_field"] = 1  # a field since removed: compared as stored, not a crash
+    assert differences(record, config) == ['rollout.no_such_field: 1 -> "(absent)"',
+                                           'rollout.top_k: "(absent)" -> 0']
+
+
+def test_task_run_names_come_from_the_resolved_arguments():
+    from tasks.naming import stage_run_name
+
+    assert stage_run_name("collect_rollouts")(parameters={"run": object(), "task_ids": [], "step": 3}) == \
+        "collect_rollouts step 3"
+    assert stage_run_name("evaluate")(parameters={"report_uri": "s3://b/runs/r/checkpoints/v2/eval.json"}) == \
+        "evaluate v2"
+    assert stage_run_name("prepare_policy")(parameters={"run": object()}) == "prepare_policy"
