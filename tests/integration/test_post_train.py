@@ -70,8 +70,32 @@ def checkout_server(tmp_path_factory, services_env):
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             yield api_url
+            drain_prefect_workers()  # send what is queued for this server before it stops (or the session's
+            # harness teardown later waits forever on events addressed to a server that is gone)
     finally:
         prefect_server.stop(home)
+
+
+def drain_prefect_workers() -> None:
+    """Flush Prefect's queued logs and events, as ``prefect_test_harness`` does before stopping its server."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:  # never started
+            pass
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +248,9 @@ def test_rerun_resumes_without_reusing_versions(finished_run, s3):
     config, _ = finished_run
     assert post_train(config) == []  # step 0 is committed (v1 published): nothing to redo
     s3.invalidate_cache()
-    assert s3.ls(f"agentrl/runs/{config.run_id}/trajectories") == [
-        f"agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"]
+    assert s3.ls(f"agentrl/runs/{config.run_id}/trajectories") == [  # the step file and its lineage record
+        f"agentrl/runs/{config.run_id}/trajectories/step-000000.parquet",
+        f"agentrl/runs/{config.run_id}/trajectories/step-000000.parquet.lineage.json"]
 
 
 def test_lineage_cli_walks_both_ways(finished_run, capsys):

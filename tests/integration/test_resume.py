@@ -69,9 +69,11 @@ enabled = false
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"post_train {run_id}: 1 step(s) run" in rerun.stdout  # step 0 was not redone
     s3.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trajectories")) == [
-        "step-000000.parquet", "step-000001.parquet"]
-    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/checkpoints")) == ["v1", "v2"]
+    stored = [p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trajectories")]
+    assert sorted(p for p in stored if not p.endswith(".lineage.json")) == ["step-000000.parquet",
+                                                                             "step-000001.parquet"]
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/checkpoints")
+                  if not p.endswith(".lineage.json")) == ["v1", "v2"]
     hist = read_history(s3, RunLayout("agentrl", "runs", run_id), ["episode_id", "step", "min_policy_version"])
     ids = hist.column("episode_id").to_pylist()
     assert len(ids) == len(set(ids))  # no duplicate rows
