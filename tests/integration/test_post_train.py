@@ -605,7 +605,9 @@ def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, 
     task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}},
                            timeout=10).json()
     assert {"collect_rollouts step 0", "record_step step 0", "evaluate v1"} <= {t["name"] for t in task_runs}
-    assert all(f"run:{config.run_id}" in t["tags"] for t in task_runs)
+    # the flow's own task runs (later tests of this module attach tasks of their own to this flow run's id)
+    own = [t for t in task_runs if t["start_time"] and t["start_time"] <= flow_run["end_time"]]
+    assert len(own) >= 8 and [t["name"] for t in own if f"run:{config.run_id}" not in t["tags"]] == []
 
     def artifact_id(suffix: str) -> str:
         found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
