@@ -50,13 +50,15 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound and released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _prefect() -> str:
+def prefect_cli() -> str:
+    """The ``prefect`` command of this interpreter's environment."""
     return str(Path(sys.executable).with_name("prefect"))
 
 
@@ -67,13 +69,13 @@ def start_temporary_server(home: Path, timeout_s: float = 180.0) -> tuple[subpro
         RuntimeError: it did not answer ``/health`` within ``timeout_s`` (the log tail is in the message).
     """
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log_path = home / "temporary-server.log"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen([_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+        proc = subprocess.Popen([prefect_cli(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
                                  "--analytics-off"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     deadline = time.monotonic() + timeout_s

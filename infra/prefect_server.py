@@ -17,8 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from infra.prefect_backend import ensure_zombie_automation, healthy, prefect_cli
 
 POOL = "agentrl-process"
 PROFILE = "agentrl"
@@ -57,10 +58,6 @@ def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
     return path
 
 
-def _prefect() -> str:
-    return str(Path(sys.executable).with_name("prefect"))
-
-
 def _alive(pid_file: Path) -> int | None:
     if not pid_file.is_file():
         return None
@@ -70,14 +67,6 @@ def _alive(pid_file: Path) -> int | None:
     except FileNotFoundError:
         return None
     return pid if "prefect" in cmdline else None
-
-
-def _healthy(api_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 180.0,
@@ -100,29 +89,27 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
     if _alive(server_pid) is None:
         with open(server_log, "ab") as log:
-            proc = subprocess.Popen([_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+            proc = subprocess.Popen([prefect_cli(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
                                      "--analytics-off"], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         server_pid.write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + timeout_s
-    while not _healthy(api_url):
+    while not healthy(api_url):
         if time.monotonic() > deadline:
             tail = server_log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"Prefect server at {api_url} not healthy after {timeout_s:.0f} s:\n{tail}")
         time.sleep(0.5)
-    pools = subprocess.run([_prefect(), "work-pool", "inspect", pool], env=env, capture_output=True)
+    pools = subprocess.run([prefect_cli(), "work-pool", "inspect", pool], env=env, capture_output=True)
     if pools.returncode != 0:
-        subprocess.run([_prefect(), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
+        subprocess.run([prefect_cli(), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
                        capture_output=True)
-    from infra.prefect_backend import ensure_zombie_automation
-
     ensure_zombie_automation(api_url)
     save_api_url(api_url, home / "profiles.toml")
     (state / "prefect-home").write_text(str(home))
     worker_pid, worker_log = state / "prefect-worker.pid", state / "prefect-worker.log"
     if _alive(worker_pid) is None:
         with open(worker_log, "ab") as log:
-            proc = subprocess.Popen([_prefect(), "worker", "start", "--pool", pool, "--type", "process"],
+            proc = subprocess.Popen([prefect_cli(), "worker", "start", "--pool", pool, "--type", "process"],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
         worker_pid.write_text(f"{proc.pid}\n")

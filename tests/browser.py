@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -34,9 +33,9 @@ class Browser:
     def __init__(self, width: int = 1400, height: int = 1800) -> None:
         from websockets.sync.client import connect
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from infra.prefect_backend import free_port
+
+        port = free_port()
         self.proc = subprocess.Popen([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu",
                                       f"--remote-debugging-port={port}", f"--window-size={width},{height}",
                                       "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

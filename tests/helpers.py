@@ -1,4 +1,5 @@
-"""Helpers shared by more than one tier: the repository root, the flows' CLI in a subprocess, a trajectory row.
+"""Helpers shared by more than one tier or module: the repository root, the flows' CLI in a subprocess, a
+trajectory row, Prefect's asset events.
 
 Light on purpose (no service, nothing heavy imported at module level): unit tests import it too, and
 subprocesses started by integration tests import ``make_row`` from here.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +36,23 @@ def make_row(**over):
                tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s")
     row.update(over)
     return row
+
+
+def asset_events(uri: str, timeout_s: float = 20.0) -> list[dict]:
+    """Asset materialization events of ``uri`` from the Prefect API (events land asynchronously)."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    body = {"filter": {"event": {"name": ["prefect.asset.materialization.succeeded"]},
+                       "resource": {"id": [uri]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 50}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=10).json()["events"]
+        if events or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
+
+
+def related_assets(event: dict) -> set[str]:
+    """The assets an asset event names as its upstream."""
+    return {r["prefect.resource.id"] for r in event["related"] if r.get("prefect.resource.role") == "asset"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra.prefect_backend import free_port
+
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +27,7 @@ def server(tmp_path_factory, services_env):
     state = tmp_path_factory.mktemp("prefect-state")
     env_before = dict(os.environ)
     os.environ["PREFECT_HOME"] = str(state / "home")
-    api_url = prefect_server.start(state, port=_free_port())
+    api_url = prefect_server.start(state, port=free_port())
     try:
         yield api_url
     finally:

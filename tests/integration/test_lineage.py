@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
-import httpx
 import pytest
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from tests.helpers import asset_events, related_assets
+
 pytestmark = pytest.mark.integration
-
-
-def upstream_events(uri: str, timeout_s: float = 30.0) -> list[set[str]]:
-    """The asset upstream of each materialization event of ``uri`` (events land asynchronously)."""
-    from prefect.settings import PREFECT_API_URL
-
-    body = {"filter": {"event": {"name": ["prefect.asset.materialization.succeeded"]},
-                       "resource": {"id": [uri]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 50}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        events = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=10).json()["events"]
-        if events or time.monotonic() > deadline:
-            return [{r["prefect.resource.id"] for r in e["related"] if r.get("prefect.resource.role") == "asset"}
-                    for e in events]
-        time.sleep(0.5)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -60,8 +45,8 @@ def test_materializations_record_only_declared_inputs(s3, prefect_harness, capsy
         as_asset(rollout_stage, traj, [image])(run, [run.config.model.serving_dtype])
 
     two_stages()
-    assert upstream_events(traj) == [{image}]
-    assert upstream_events(report_uri) == [{run.layout.checkpoint(1)}]
+    assert [related_assets(e) for e in asset_events(traj, timeout_s=30)] == [{image}]
+    assert [related_assets(e) for e in asset_events(report_uri, timeout_s=30)] == [{run.layout.checkpoint(1)}]
 
     # the same lineage, stored beside each artifact, outlives the event retention; the CLI reads it as a tree
     s3.invalidate_cache()

@@ -15,26 +15,9 @@ import pytest
 
 from infra.config import ColocatedPublish, EvalConfig, ModelConfig, RolloutConfig, RunConfig, TaskSetConfig
 from infra.store import TRAJECTORY_SCHEMA, read_step
+from tests.helpers import asset_events, related_assets
 
 pytestmark = pytest.mark.integration
-
-
-def asset_events(uri: str, timeout_s: float = 20.0) -> list[dict]:
-    """Asset materialization events of ``uri`` from the Prefect API (events land asynchronously)."""
-    from prefect.settings import PREFECT_API_URL
-
-    body = {"filter": {"event": {"name": ["prefect.asset.materialization.succeeded"]},
-                       "resource": {"id": [uri]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 50}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        events = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=10).json()["events"]
-        if events or time.monotonic() > deadline:
-            return events
-        time.sleep(0.5)
-
-
-def related_assets(event: dict) -> set[str]:
-    return {r["prefect.resource.id"] for r in event["related"] if r.get("prefect.resource.role") == "asset"}
 
 
 class FinishedRun(tuple):
@@ -56,17 +39,13 @@ def run_post_train(config: RunConfig) -> FinishedRun:
 def checkout_server(tmp_path_factory, services_env):
     """The Prefect server and worker of ``make server`` (``infra.prefect_server.start``) with a PREFECT_HOME of its
     own; this module's flows report to it (a real server, whose UI the browser test reads)."""
-    import socket
-
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from infra import prefect_server
+    from infra.prefect_backend import free_port
 
     home = tmp_path_factory.mktemp("prefect-home")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    api_url = prefect_server.start(home, port=port, home=home)  # its own database and profile
+    api_url = prefect_server.start(home, port=free_port(), home=home)  # its own database and profile
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             yield api_url

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra.prefect_backend import free_port, healthy
+
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -64,17 +59,10 @@ def test_without_a_server_the_temporary_one_and_the_children_die_with_the_flow(t
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (_alive(child) or _healthy(api_url)):
+    while time.monotonic() < deadline and (_alive(child) or healthy(api_url)):
         time.sleep(0.5)
     assert not _alive(child), "the flow's child process outlived it"
-    assert not _healthy(api_url), "the temporary Prefect server outlived the flow"
-
-
-def _healthy(api_url: str) -> bool:
-    try:
-        return httpx.get(f"{api_url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    assert not healthy(api_url), "the temporary Prefect server outlived the flow"
 
 
 def test_with_the_checkout_server_flows_use_it_and_a_killed_run_is_crashed(tmp_path, services_env, monkeypatch):
@@ -83,7 +71,7 @@ def test_with_the_checkout_server_flows_use_it_and_a_killed_run_is_crashed(tmp_p
 
     home = tmp_path / "home"
     monkeypatch.setenv("PREFECT_HOME", str(home))
-    api_url = prefect_server.start(home, port=_free_port())
+    api_url = prefect_server.start(home, port=free_port())
     try:
         profile = (home / "profiles.toml").read_text()
         assert 'active = "agentrl"' in profile and api_url in profile  # a new shell with this PREFECT_HOME finds it
@@ -99,7 +87,7 @@ def test_with_the_checkout_server_flows_use_it_and_a_killed_run_is_crashed(tmp_p
         while time.monotonic() < deadline and (_flow_run_state(api_url, run_id) != "CRASHED" or _alive(child)):
             time.sleep(0.5)
         assert _flow_run_state(api_url, run_id) == "CRASHED" and not _alive(child)
-        assert _healthy(api_url)  # the checkout's server stays up
+        assert healthy(api_url)  # the checkout's server stays up
     finally:
         prefect_server.stop(home)
     assert "PREFECT_API_URL" not in (home / "profiles.toml").read_text()
