@@ -62,7 +62,14 @@ class TaskSetConfig(_Strict):
     base_images: dict[str, str] = Field(default_factory=dict)
     """``FROM`` image pattern (glob) -> local image, for task Dockerfiles naming registry images."""
     fallback_base_image: str = "agentrl-base:bookworm"
-    """Image used for a ``FROM`` that is neither present locally nor in ``base_images``; empty: fail the build."""
+    """Image used for a ``FROM`` that is neither present locally, nor in ``base_images``, nor has a local
+    equivalent (``infra.base_images``); empty: fail the build."""
+    build_network: bool = True
+    """Image builds reach what this machine reaches, as ``docker build`` does; false: offline builds (a
+    build that downloads then fails with a message naming the step and this setting)."""
+    extra_ca_bundle: str = ""
+    """PEM file of extra CA certificates (a TLS-intercepting proxy's) trusted inside local base images and
+    so in builds and sandboxes; empty: ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when set, else none."""
     humaneval_train: int = Field(16, ge=0, le=164)
     """Number of HumanEval problems used for training (the first N)."""
     humaneval_eval: int = Field(8, ge=0, le=164)

@@ -30,6 +30,7 @@ from infra.config import TaskSetConfig
 from infra.layout import resolve_path
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend
+from infra.task_faults import classify, strip_ansi, unreachable_hosts
 
 BASE_IMAGE = "agentrl-base:bookworm"
 
@@ -47,6 +48,10 @@ class EnvEntry:
     reason: str = ""
     task_format: str = ""
     validation: str = ""
+    cause: str = ""
+    """Why it is unusable, as a class (``infra.task_faults.CAUSES``); empty when usable."""
+    fix: str = ""
+    """What would make it usable (one sentence); empty when usable."""
 
 
 def _short_id(task_id: str) -> str:
@@ -149,7 +154,9 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
 
     solved = run(True)
     if solved.outcome != Outcome.SUCCESS:
-        return False, f"reference solution scored {solved.reward} ({solved.reason}): {solved.log[-500:]}"
+        hosts = unreachable_hosts(solved.log)
+        needs = f"; unreachable host(s) {', '.join(hosts)}" if hosts else ""
+        return False, f"reference solution scored {solved.reward} ({solved.reason}){needs}: {solved.log[-500:]}"
     idle = run(False)
     if idle.outcome == Outcome.SUCCESS:
         return False, "a do-nothing agent passes (the tests check nothing the agent must do)"
@@ -160,7 +167,8 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
                   max_parallel_builds: int = 2, validate: bool = True,
                   base_images: dict[str, str] | None = None, fallback_base: str | None = BASE_IMAGE,
                   cache_get: Callable[[str], dict | None] | None = None,
-                  cache_put: Callable[[str, dict], None] | None = None) -> tuple[list[EnvEntry], dict[str, str]]:
+                  cache_put: Callable[[str, dict], None] | None = None,
+                  build_network: bool = True) -> tuple[list[EnvEntry], dict[str, str]]:
     """Build every terminal task's image (bounded concurrency), then validate every task.
 
     Code tasks use the base image. A build failure or a failed validation marks the task unusable
@@ -176,9 +184,11 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         fallback_base: image for a ``FROM`` neither local nor mapped (None: the build fails).
         cache_get: validation cache lookup by :func:`validation_key` (None: no cache).
         cache_put: validation cache store.
+        build_network: image builds have network access (``DockerBackend.build_image``).
 
     Returns:
-        (one entry per task, build and validation logs by task id).
+        (one entry per task, each unusable one with its cause class and fix; build and validation logs
+        by task id).
     """
     base_digest = backend.image_digest(BASE_IMAGE)
     logs: dict[str, str] = {}
@@ -191,9 +201,11 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         context, dockerfile = image_build
         name = task.task_id.removeprefix("tb/")
         try:
-            tag, built, log = backend.build_image(name, context, dockerfile, base_images, fallback_base)
+            tag, built, log = backend.build_image(name, context, dockerfile, base_images, fallback_base,
+                                                  network=build_network)
         except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
-            logs[task.task_id] = "".join(str(c.get("stream", "")) for c in getattr(e, "build_log", []) or [])
+            build_log = getattr(e, "build_log", []) or []
+            logs[task.task_id] = strip_ansi("".join(str(c.get("stream", "")) for c in build_log))
             return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}",
                             task_format=task.task_format)
         logs[task.task_id] = log
@@ -238,6 +250,8 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         entries = list(pool.map(build, tasks.values()))
     with ThreadPoolExecutor(max_workers=max(2, max_parallel_builds)) as pool:
         entries = list(pool.map(check, entries))
+    entries = [e if e.usable else replace(e, **dict(zip(("cause", "fix"), classify(
+        e.reason, logs.get(e.task_id, ""), e.validation, build_network), strict=True))) for e in entries]
     return entries, logs
 
 

@@ -379,6 +379,54 @@ def _ensure_engine(state: Path, use_configured: bool = True) -> tuple[str, docke
     return DEFAULT_DOCKER_HOST, client
 
 
+# ---------------------------------------------------------------- sandbox network
+
+INTERNET_NETWORK = "agentrl-internet"
+"""The network of sandboxes whose task allows the internet (dockerd here runs with ``--bridge=none``)."""
+INTERNET_SUBNET = "172.31.250.0/24"
+_INTERNET_BRIDGE = "agentrl-inet0"
+
+
+def _iptables_once(table: str, chain: str, rule: list[str], insert: bool = False) -> None:
+    """Add ``rule`` to ``table``/``chain`` unless it is there (``-C`` first); raises CalledProcessError."""
+    iptables = _which("iptables") or "iptables"
+    if subprocess.run([iptables, "-t", table, "-C", chain, *rule], capture_output=True).returncode != 0:
+        subprocess.run([iptables, "-t", table, "-I" if insert else "-A", chain, *rule], check=True,
+                       capture_output=True)
+
+
+def _ensure_internet_network(client: docker.DockerClient) -> bool:
+    """A user-defined bridge ``agentrl-internet`` with NAT to the outside and no way to the host; idempotent.
+
+    Sandboxes of tasks that set ``allow_internet`` (Harbor) join it; everything else has no network.
+    Its containers reach what this machine reaches (masqueraded) but no port of the host itself
+    (INPUT from the subnet is dropped: the S3 server, Prefect and vLLM stay out of reach).
+
+    Returns:
+        False (with a warning) when iptables is unavailable: such tasks then fail to start, saying why.
+    """
+    import docker.errors
+    import docker.types
+
+    try:
+        client.networks.get(INTERNET_NETWORK)
+    except docker.errors.NotFound:
+        client.networks.create(INTERNET_NETWORK, driver="bridge", ipam=docker.types.IPAMConfig(
+            pool_configs=[docker.types.IPAMPool(subnet=INTERNET_SUBNET)]),
+            options={"com.docker.network.bridge.name": _INTERNET_BRIDGE}, labels={"agentrl": "1"})
+    try:
+        _iptables_once("nat", "POSTROUTING", ["-s", INTERNET_SUBNET, "!", "-o", _INTERNET_BRIDGE, "-j", "MASQUERADE"])
+        _iptables_once("filter", "INPUT", ["-s", INTERNET_SUBNET, "-j", "DROP"], insert=True)
+        _iptables_once("filter", "FORWARD", ["-i", _INTERNET_BRIDGE, "-j", "ACCEPT"], insert=True)
+        _iptables_once("filter", "FORWARD", ["-o", _INTERNET_BRIDGE, "-m", "conntrack", "--ctstate",
+                                             "RELATED,ESTABLISHED", "-j", "ACCEPT"], insert=True)
+    except (subprocess.CalledProcessError, OSError) as e:
+        log.warning("sandboxes that allow the internet get none: iptables failed (%s %s)", e,
+                    (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip())
+        return False
+    return True
+
+
 # ---------------------------------------------------------------- base image
 
 
@@ -731,6 +779,7 @@ def up(state_dir: str | os.PathLike[str] | None = None, s3_port: int | None = No
     docker_host, client = _ensure_engine(state)
     try:
         _ensure_base_image(client, state)
+        _ensure_internet_network(client)
     finally:
         client.close()
     bucket = os.environ.get("AGENTRL_BUCKET") or BUCKET

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.assets import add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
 
-from infra.environments import Catalog, build_catalog, load_run_tasks
+from infra.environments import Catalog, EnvEntry, build_catalog, load_run_tasks
 from infra.layout import artifact_key
 from infra.run import Run
+from infra.task_faults import classify
 from tasks.naming import stage_run_name
 
 
@@ -43,24 +45,37 @@ def build_envs(run: Run) -> str:
     t = run.config.tasks
     entries, logs = build_catalog(run.backend, tasks, split, validate=t.validate_tasks, base_images=t.base_images,
                                   fallback_base=t.fallback_base_image or None, cache_get=cache_get,
-                                  cache_put=cache_put)
+                                  cache_put=cache_put, build_network=t.build_network)
     for task_id, text in logs.items():  # build and validation logs, kept next to the catalog
         if text.strip():
             run.fs.pipe_file(run.layout.envs_log(task_id), text.encode())
     uri = run.store_catalog(Catalog(tuple(entries), tuple(errors)))
     log = get_run_logger()
+    log.info("%s", catalog_summary(entries, errors))
     for e in entries:
         if not e.usable:
-            log.warning("task %s unusable: %s\n%s", e.task_id, e.reason, logs.get(e.task_id, "")[-2000:])
+            log.warning("task %s unusable [%s]: %s. Fix: %s\n%s", e.task_id, e.cause, e.reason[:500], e.fix,
+                        logs.get(e.task_id, "")[-2000:])
     for err in errors:
-        log.warning("task folder not loaded: %s", err)
+        cause, fix = classify(f"task folder not loaded: {err}", err)
+        log.warning("task folder not loaded [%s]: %s. Fix: %s", cause, err, fix)
     create_table_artifact(
         key=artifact_key(run.config.run_id, "envs"),
         table=[{"task": e.task_id, "format": e.task_format, "split": e.split, "image": e.image, "built": e.built,
-                "validation": e.validation, "usable": e.usable, "reason": e.reason[:300]} for e in entries],
-        description=f"Environments of run {run.config.run_id}: {sum(e.usable for e in entries)}/{len(entries)} usable",
+                "validation": e.validation, "usable": e.usable, "cause": e.cause, "fix": e.fix,
+                "reason": e.reason[:300]} for e in entries],
+        description=f"Environments of run {run.config.run_id}: {catalog_summary(entries, errors)}",
     )
     return uri
+
+
+def catalog_summary(entries: list[EnvEntry], load_errors: list[str]) -> str:
+    """One line: ``N of M usable, K not loaded`` and the unusable ones by cause (``unreachable_host 3, ...``)."""
+    causes = Counter(e.cause for e in entries if not e.usable)
+    causes.update(classify(f"task folder not loaded: {err}", err)[0] for err in load_errors)
+    by_cause = ", ".join(f"{c} {n}" for c, n in causes.most_common())
+    return (f"{sum(e.usable for e in entries)} of {len(entries) + len(load_errors)} usable, "
+            f"{len(load_errors)} not loaded" + (f" (unusable by cause: {by_cause})" if by_cause else ""))
 
 
 def task_image_assets(run: Run, task_ids: list[str]) -> list[str]:

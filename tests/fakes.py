@@ -185,11 +185,13 @@ class InMemorySandbox:
     exec_fn: Callable[[InMemorySandbox, str], Answer]
     backend: InMemoryBackend | None = None
     files: dict[str, bytes] = field(default_factory=dict)
+    workdir: str = "/app"
     execs: list[tuple[str, float, str]] = field(default_factory=list)  # (command, timeout_s, workdir)
     stop_calls: int = 0
     closed: bool = False
 
-    def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
+    def exec(self, command: str, timeout_s: float, workdir: str | None = None,
+             env: dict[str, str] | None = None) -> ExecResult:
         """Answer ``command`` from ``exec_fn`` (which may raise ``SandboxInfraError``)."""
         if self.closed:
             raise SandboxInfraError("container_vanished", f"{self.sandbox_id} was removed")

@@ -47,9 +47,15 @@ class Sandbox(Protocol):
     """One started container."""
 
     sandbox_id: str
+    workdir: str
+    """The image's ``WORKDIR`` (``/`` when it sets none), where commands run unless told otherwise."""
 
-    def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
-        """Run a shell command with a deadline enforced inside the sandbox."""
+    def exec(self, command: str, timeout_s: float, workdir: str | None = None,
+             env: dict[str, str] | None = None) -> ExecResult:
+        """Run a shell command with a deadline enforced inside the sandbox.
+
+        It runs in ``workdir`` (default: the image's ``WORKDIR``), with ``env`` added to the environment.
+        """
         ...
 
     def stop_agent_processes(self) -> int:

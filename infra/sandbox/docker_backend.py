@@ -1,6 +1,7 @@
 """Docker sandbox backend and task image builds (docker SDK).
 
-Isolation guaranteed here: no network (``network_mode=none``; a task may opt in), all
+Isolation guaranteed here: no network (``network_mode=none``; a task may opt in: it then joins the
+``agentrl-internet`` bridge, which reaches the outside but no port of the host), all
 capabilities dropped, ``no-new-privileges``, memory/CPU/pids limits (the task's own when it sets
 them), a size-limited tmpfs ``/tmp`` (which the engine's archive API, and so ``put_file``/``get_file``,
 cannot see: keep files exchanged with the sandbox elsewhere), every container labelled ``agentrl=1`` plus the owning
@@ -34,8 +35,10 @@ import docker.errors
 import requests.exceptions
 
 from infra.sandbox.base import ExecResult, SandboxInfraError
+from infra.task_faults import strip_ansi
 
 LABEL = "agentrl"
+INTERNET_NETWORK = "agentrl-internet"  # infra.services creates it: NAT to the outside, the host's ports dropped
 OUTPUT_LIMIT_BYTES = 16_384
 # Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
 # fills its disk quota still gets its output back), read back with one more exec once the command
@@ -133,8 +136,11 @@ class DockerBackend:
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
-                    fallback_base: str | None = None) -> tuple[str, bool, str]:
+                    fallback_base: str | None = None, network: bool = True) -> tuple[str, bool, str]:
         """Build ``context``'s Dockerfile, tagged by the hash of its build context.
+
+        ``network``: the build's ``RUN`` steps reach what this machine reaches (as ``docker build``
+        does; the engine's host network, since dockerd here has no bridge); False: no network.
 
         The context excludes the hidden tests and the reference solution. An image whose tag
         already exists is not rebuilt. ``FROM`` images that are neither present on the engine nor
@@ -160,9 +166,9 @@ class DockerBackend:
         except docker.errors.ImageNotFound:
             pass
         _, log = self.client.images.build(fileobj=io.BytesIO(raw), custom_context=True, tag=tag,
-                                          dockerfile=dockerfile, network_mode="none", rm=True, forcerm=True,
-                                          labels={LABEL: "1"})
-        return tag, True, note + "".join(str(chunk.get("stream", "")) for chunk in log)
+                                          dockerfile=dockerfile, network_mode="host" if network else "none",
+                                          rm=True, forcerm=True, labels={LABEL: "1"})
+        return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log))
 
     def snapshot(self, sandbox: DockerSandbox, repository: str, tag: str) -> str:
         """Commit a set-up sandbox as an image (``docker commit``), so attempts start from its state.
@@ -190,7 +196,7 @@ class DockerBackend:
             labels: extra labels (``agentrl=1`` and ``agentrl.owner`` are always added).
             cpus: CPU limit (None: the backend's default).
             memory_mb: memory limit in MiB, swap included (None: the backend's default).
-            network: give the sandbox the engine's default network (tasks that opt in); else none.
+            network: join ``agentrl-internet`` (tasks that opt in: the outside, not the host); else no network.
             disk_mb: limit on what the sandbox writes (None: the backend's default), enforced when
                 ``disk_quota`` (a btrfs engine); else only ``/tmp`` is bounded.
 
@@ -203,13 +209,13 @@ class DockerBackend:
         try:
             # create, then start: a start that fails (engine going down) must not leak the created container
             container = self.client.containers.create(
-                image, ["sleep", "infinity"], network_mode=None if network else "none", init=True,
+                image, ["sleep", "infinity"], network_mode=INTERNET_NETWORK if network else "none", init=True,
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777", _EXEC_DIR: "size=32m,mode=700"},
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
-                labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}, working_dir="/app",
+                labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels},
             )
             container.start()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
@@ -218,8 +224,11 @@ class DockerBackend:
             else:  # the create may have happened with its reply lost (engine going down): sweep by label
                 self._leftovers.add(f"{START_LABEL}={start_id}")
                 self.sweep_leftovers()
-            raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}") from e
+            hint = (f" (the task allows the internet: its sandbox joins the network {INTERNET_NETWORK}, which "
+                    "`python -m infra.services up` creates)") if network and INTERNET_NETWORK in str(e) else ""
+            raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}{hint}") from e
         box = DockerSandbox(container, self._leftovers)
+        box.workdir = (container.attrs.get("Config") or {}).get("WorkingDir") or "/"
         try:
             box._main_pids()  # before any agent command: the processes verification keeps alive
         except SandboxInfraError:
@@ -323,6 +332,7 @@ class DockerSandbox:
         self._execs = 0
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
+        self.workdir = "/"  # the image's WORKDIR, set by ``DockerBackend.start``
 
     def alive(self) -> bool:
         """The container is still running (one inspect).
@@ -382,8 +392,12 @@ class DockerSandbox:
             return "container_vanished"
         return "environment_broken"
 
-    def exec(self, command: str, timeout_s: float, workdir: str = "/app") -> ExecResult:
+    def exec(self, command: str, timeout_s: float, workdir: str | None = None,
+             env: dict[str, str] | None = None) -> ExecResult:
         """Run ``command`` under ``bash -c`` with ``timeout -s KILL``; output truncated to 16 KiB.
+
+        It runs in ``workdir`` (default: the image's ``WORKDIR``, ``/`` when it sets none, as
+        ``docker exec`` does), with ``env`` added to the container's environment.
 
         The exec is started detached and polled, so the client's socket timeout never bounds a
         command; stdout and stderr are merged, as a terminal shows them.
@@ -396,7 +410,8 @@ class DockerSandbox:
         self._execs += 1
         name = f"{self._execs}.out"
         argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
-        exec_id = self._api("exec", api.exec_create, self._container.id, argv, workdir=workdir)["Id"]
+        exec_id = self._api("exec", api.exec_create, self._container.id, argv, workdir=workdir or self.workdir,
+                            environment=env or None)["Id"]
         self._api("exec", api.exec_start, exec_id, detach=True)
         # Poll with short API calls: the command's deadline is enforced inside the container, so a
         # client whose socket timeout is shorter than the command never turns it into an error.
@@ -411,7 +426,7 @@ class DockerSandbox:
             raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         raw = self._api("read output", self._container.exec_run,
                         ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
-        output = raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace")
+        output = strip_ansi(raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace"))  # as a terminal shows it
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
         # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container

@@ -1,0 +1,123 @@
+"""Why a task is unusable, as a cause class a person can act on.
+
+``build_envs`` marks a task unusable with a free-text reason and a log; :func:`classify` turns the
+two into one of a few cause classes, each with the fix that would make the task usable:
+
+- ``unreachable_host``: a host this machine cannot resolve or reach (``astral.sh``, ``github.com``,
+  ``huggingface.co``) was needed, at build or verification time. Counted apart: the task is fine
+  and works where that host is reachable; nothing here patches upstream scripts around it.
+- ``needs_network``: an offline build (``tasks.build_network = false``) failed at a step that
+  downloads (``apt-get``, ``pip``, ``curl``...): the message names the Dockerfile line.
+- ``registry_image``: a ``FROM``/``COPY --from`` image that is neither local nor has a local
+  equivalent.
+- ``build_failed``: the Dockerfile failed for another reason (the log names the step).
+- ``tests_environment_broken``: the reference solution ran but the tests themselves did not run
+  (no test result at all: a missing test runner, a ``run-tests.sh`` that failed before pytest).
+- ``solution_fails``: the tests ran and the reference solution failed them.
+- ``do_nothing_passes``: the tests pass without any agent action.
+- ``no_solution``: nothing to validate with.
+- ``unsupported_feature``: the task folder uses a feature this project does not run yet.
+- ``not_loaded``: the task folder is malformed (the message names file and field).
+- ``infra``: validation could not run (sandbox failure); retried on the next build.
+"""
+
+from __future__ import annotations
+
+import re
+
+CAUSES = ("unreachable_host", "needs_network", "registry_image", "build_failed", "tests_environment_broken",
+          "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour and cursor codes (CSI, OSC and two-byte escapes)."""
+    return _ANSI.sub("", text)
+
+
+# Messages of curl, apt, pip, uv, requests, git and getaddrinfo that name a host they could not resolve or reach.
+_HOST_PATTERNS = (
+    r"Could not resolve host: ([A-Za-z0-9.-]+)",
+    r"Temporary failure resolving '([A-Za-z0-9.-]+)'",
+    r"Could not resolve '([A-Za-z0-9.-]+)'",
+    r"Failed to resolve '([A-Za-z0-9.-]+)'",
+    r"Failed to connect to ([A-Za-z0-9.-]+) port",
+    r"HTTPSConnectionPool\(host='([A-Za-z0-9.-]+)'",
+    r"HTTPConnectionPool\(host='([A-Za-z0-9.-]+)'",
+    r"dns error: failed to lookup address information.*?for ([A-Za-z0-9.-]+)",
+    r"Failed to fetch https?://([A-Za-z0-9.-]+)/",
+    r"unable to access 'https?://([A-Za-z0-9.-]+)/",
+    r"getaddrinfo .*?([A-Za-z0-9-]+\.[A-Za-z0-9.-]+)",
+)
+_HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
+# Hosts that are reachable here: a message naming one is not an unreachable-host failure.
+_REACHABLE_DEFAULT = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com", "security.ubuntu.com",
+                      "pypi.org", "files.pythonhosted.org")
+# Offline symptoms: what apt, pip and curl print when there is no network at all.
+_OFFLINE = re.compile(r"Unable to locate package|Temporary failure in name resolution|Network is unreachable|"
+                      r"No matching distribution found|Could not resolve host|Temporary failure resolving|"
+                      r"Failed to establish a new connection|Name or service not known")
+_FETCHING_STEP = re.compile(r"\b(apt-get|apt|apk|pip3?|uv|curl|wget|git\s+clone|npm|conda|cargo|go\s+get)\b")
+_STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$", re.MULTILINE)
+
+
+def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT) -> list[str]:
+    """Hosts ``log`` says could not be resolved or reached, in order of first mention (reachable ones left out)."""
+    hosts: list[str] = []
+    for m in _HOST.finditer(strip_ansi(log)):
+        host = next(g for g in m.groups() if g).rstrip(".")
+        if host not in hosts and host not in reachable and "." in host:
+            hosts.append(host)
+    return hosts
+
+
+def failing_step(build_log: str) -> str:
+    """The last ``Step N/M : ...`` line of a legacy-builder log (the step that failed), or ''."""
+    steps = _STEP.findall(strip_ansi(build_log))
+    return f"Step {steps[-1][0]}/{steps[-1][1]}: {steps[-1][2]}" if steps else ""
+
+
+def classify(reason: str, log: str, validation: str = "", build_network: bool = True) -> tuple[str, str]:
+    """The cause class of an unusable task and the fix that would make it usable.
+
+    Args:
+        reason: the catalog's reason (``image build failed: ...``, ``validation failed: ...``,
+            ``task folder not loaded: ...``).
+        log: the build and validation log (or the load error).
+        validation: the catalog's validation state (``failed``, ``infra_failure``, ...).
+        build_network: whether builds had network access.
+
+    Returns:
+        (cause, fix): ``cause`` one of :data:`CAUSES`; ``fix`` one sentence.
+    """
+    text = strip_ansi(f"{reason}\n{log}")
+    hosts = unreachable_hosts(text)
+    if reason.startswith("task folder not loaded"):
+        if "not supported" in reason or "supported:" in reason:
+            return "unsupported_feature", "the task uses a feature this project does not run yet (named above)"
+        return "not_loaded", "fix the file and field the message names"
+    if validation == "infra_failure" or reason.startswith("validation could not run"):
+        return "infra", "a sandbox failed during validation; the next build_envs retries it"
+    if reason.startswith(("image build failed", "set-up snapshot failed")):
+        step = failing_step(log)
+        at = f" at {step}" if step else ""
+        if "pull access denied" in text or "manifest unknown" in text or "no local equivalent" in text:
+            return "registry_image", f"map the image{at} to a local one with tasks.base_images"
+        if not build_network and (_OFFLINE.search(text) or _FETCHING_STEP.search(step)):
+            return "needs_network", (f"the build downloads{at}, and builds are offline: set "
+                                     "tasks.build_network = true (or bake what it fetches into a local base image)")
+        if hosts:
+            return "unreachable_host", f"needs {', '.join(hosts)}, which this machine cannot reach{at}"
+        return "build_failed", f"the Dockerfile failed{at}; see the build log"
+    if "no reference solution" in reason:
+        return "no_solution", "add solution.sh (Terminal-Bench) or solution/solve.sh (Harbor)"
+    if "do-nothing agent passes" in reason:
+        return "do_nothing_passes", "the tests check nothing the agent must do; fix the tests"
+    if hosts:
+        return "unreachable_host", f"needs {', '.join(hosts)}, which this machine cannot reach"
+    if any(code in reason for code in ("tests_did_not_run", "no_tests_collected", "verifier_error", "no_reward_file",
+                                       "verifier_timeout", "parse_error")):
+        return "tests_environment_broken", ("the tests did not run (no test result): the test environment is "
+                                            "broken, not the solution; see the verifier log")
+    return "solution_fails", "the tests ran and the reference solution failed them; see the verifier log"

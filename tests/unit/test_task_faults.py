@@ -1,0 +1,59 @@
+"""Cause classes of unusable tasks, from messages real tools print (captured on this machine)."""
+
+from infra.task_faults import classify, failing_step, strip_ansi, unreachable_hosts
+
+CURL = "curl: (6) Could not resolve host: astral.sh"
+GIT = "fatal: unable to access 'https://github.com/x/y/': Could not resolve host: github.com"
+REQUESTS = ("HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded with url: /api/models "
+            "(Caused by NameResolutionError(\"HTTPSConnection(host='huggingface.co', port=443): Failed to resolve "
+            "'huggingface.co' ([Errno -2] Name or service not known)\"))")
+APT_OFFLINE = ("Step 2/3 : RUN apt-get update && apt-get install -y curl\n ---> Running in 3f2a\n"
+               "Reading package lists...\nE: Unable to locate package curl\n")
+RUN_TESTS = f"Hit:1 http://deb.debian.org/debian bookworm InRelease\n{CURL}\nbash: uv: command not found\n"
+
+
+def test_hosts_named_by_curl_git_requests_are_found_and_reachable_ones_are_not():
+    assert unreachable_hosts(f"{CURL}\n{GIT}\n{REQUESTS}\n{CURL}") == ["astral.sh", "github.com", "huggingface.co"]
+    assert unreachable_hosts("Failed to fetch http://deb.debian.org/debian/dists/bookworm/InRelease") == []
+    assert unreachable_hosts("E: Unable to locate package curl") == []
+
+
+def test_offline_build_names_the_step_and_the_setting():
+    cause, fix = classify("image build failed: The command '/bin/sh -c apt-get update' returned a non-zero code: 100",
+                          APT_OFFLINE, build_network=False)
+    assert cause == "needs_network"
+    assert "Step 2/3: RUN apt-get update && apt-get install -y curl" in fix and "tasks.build_network = true" in fix
+
+
+def test_online_build_failures_are_unreachable_host_or_plain_build_failures():
+    uv_step = f"Step 3/5 : RUN curl -LsSf https://astral.sh/uv/install.sh | sh\n{CURL}"
+    assert classify("image build failed: x", uv_step)[0] == "unreachable_host"
+    cause, fix = classify("image build failed: x", "Step 4/4 : RUN make\nmake: *** No rule to make target")
+    assert cause == "build_failed" and "Step 4/4: RUN make" in fix
+    assert classify("image build failed: pull access denied for ghcr.io/x/y", "")[0] == "registry_image"
+
+
+def test_validation_tells_a_broken_test_environment_from_a_failing_solution():
+    unreachable = classify("validation failed: reference solution scored 0.0 (tests_did_not_run); unreachable host(s) "
+                           "astral.sh: ...", RUN_TESTS, "failed")
+    assert unreachable == ("unreachable_host", "needs astral.sh, which this machine cannot reach")
+    broken = classify("validation failed: reference solution scored 0.0 (tests_did_not_run): bash: pytest: not found",
+                      "", "failed")
+    assert broken[0] == "tests_environment_broken"
+    assert classify("validation failed: reference solution scored 0.0 (tests_failed): 1 failed", "", "failed")[0] \
+        == "solution_fails"
+    assert classify("validation failed: a do-nothing agent passes (the tests check nothing)", "", "failed")[0] \
+        == "do_nothing_passes"
+    assert classify("validation could not run: sandbox_start_failed: x", "", "infra_failure")[0] == "infra"
+
+
+def test_load_errors_unsupported_feature_apart_from_malformed():
+    assert classify("task folder not loaded: x/steps: multi-step Harbor tasks are not supported", "")[0] \
+        == "unsupported_feature"
+    assert classify("task folder not loaded: x/task.yaml: field 'instruction' must be a non-empty string", "")[0] \
+        == "not_loaded"
+
+
+def test_colour_codes_are_stripped():
+    assert strip_ansi("\x1b[1m\x1b[31mERROR\x1b[0m: x\x1b]0;title\x07 done\x1b[2K") == "ERROR: x done"
+    assert failing_step("\x1b[1mStep 1/2 : FROM a\x1b[0m\nStep 2/2 : RUN b\n") == "Step 2/2: RUN b"
