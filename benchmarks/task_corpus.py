@@ -1,0 +1,145 @@
+r"""How much of a real task corpus is usable here: load, build and validate every task, count by cause.
+
+Each task goes through what ``build_envs`` does (``infra.environments.build_catalog``): load its
+folder, build its image (network builds, registry base images mapped to local equivalents), run
+its reference solution (must pass) and a do-nothing agent (must not). Unusable tasks are counted by
+cause class (``infra.task_faults``); ``unreachable_host`` is counted apart, as the issue asks: such a
+task would work where that host is reachable. ``usable share of the rest`` = usable / (all -
+unreachable_host). Images are removed after each task (``--keep-images`` keeps them) so a corpus of
+large images fits the engine's disk.
+
+Corpora are folders of task folders; ``--checkout`` copies a sub-folder of a fetched git mirror
+(``git archive``) so nothing third-party is committed here::
+
+    python -m benchmarks.task_corpus checkout /work/.mirror/AakashKotha+Terminal-Bench-DS-Tasks/repo . \\
+        /tmp/corpus/tb --strip-prefix "laude-institute terminal-bench main tasks-"
+    python -m benchmarks.task_corpus run /tmp/corpus/tb /tmp/corpus/harbor --out corpus.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from envs.taskset import load_taskset
+from infra.environments import BASE_IMAGE, EnvEntry, build_catalog
+from infra.sandbox.docker_backend import DockerBackend
+from infra.task_faults import classify
+
+
+def checkout(repo: Path, subdir: str, dest: Path, strip_prefix: str = "", sample: int = 0, seed: int = 0) -> int:
+    """Copy the task folders under ``subdir`` of git ``repo`` (HEAD) to ``dest``; returns how many.
+
+    ``strip_prefix`` is removed from folder names; ``sample`` > 0 takes that many folders at random
+    (``seed``), sorted by name.
+    """
+    names = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", "HEAD", f"{subdir.rstrip('/')}/"],
+                           check=True, capture_output=True, text=True).stdout.splitlines()
+    names = sorted(n for n in names if not Path(n).name.startswith(".") and not n.endswith(".md")
+                   and Path(n).name.startswith(strip_prefix))
+    if sample:
+        names = sorted(random.Random(seed).sample(names, min(sample, len(names))))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        with tempfile.TemporaryFile() as tmp:
+            subprocess.run(["git", "-C", str(repo), "archive", "HEAD", name], check=True, stdout=tmp)
+            tmp.seek(0)
+            target = dest / Path(name).name.removeprefix(strip_prefix)
+            shutil.rmtree(target, ignore_errors=True)
+            with tarfile.open(fileobj=tmp) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(f"{name}/")]
+                for member in members:
+                    member.name = member.name.removeprefix(f"{name}/")
+                tar.extractall(target, members=members, filter="data")
+    return len(names)
+
+
+def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool) -> list[dict]:
+    """Every task of ``roots`` through build and validation, one record per task (or load error)."""
+    backend = DockerBackend()
+    records: list[dict] = []
+    for root in roots:
+        tasks, errors = load_taskset(root)
+        for err in errors:
+            cause, fix = classify(f"task folder not loaded: {err}", err)
+            records.append({"source": root.name, "task_id": err.split(":", 1)[0], "usable": False,
+                            "cause": cause, "fix": fix, "reason": err, "seconds": 0.0})
+
+        def one(task, root=root) -> dict:
+            t0 = time.perf_counter()
+            entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"},
+                                          max_parallel_builds=1, build_network=build_network)
+            e: EnvEntry = entries[0]
+            if not keep_images and e.image and e.image != BASE_IMAGE:
+                try:
+                    backend.client.images.remove(e.image, force=True)
+                except Exception:  # noqa: BLE001 - pruning is best effort
+                    pass
+            rec = {"source": root.name, **asdict(e), "seconds": round(time.perf_counter() - t0, 1),
+                   "log_tail": logs.get(task.task_id, "")[-1500:]}
+            print(f"{'usable' if e.usable else e.cause:>26}  {task.task_id}  ({rec['seconds']} s)"
+                  + ("" if e.usable else f"  {e.fix}"), flush=True)
+            return rec
+
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            records += list(pool.map(one, tasks))
+    return records
+
+
+def summary(records: list[dict]) -> str:
+    """Per source: all, usable, unreachable-host, usable share of the rest, and the unusable by cause."""
+    lines = ["| source | tasks | usable | unreachable host | usable of the rest | unusable by cause |",
+             "|---|---:|---:|---:|---:|---|"]
+    for source in sorted({r["source"] for r in records}):
+        rs = [r for r in records if r["source"] == source]
+        usable = sum(r["usable"] for r in rs)
+        unreachable = sum(r.get("cause") == "unreachable_host" for r in rs)
+        rest = len(rs) - unreachable
+        causes = Counter(r["cause"] for r in rs if not r["usable"] and r["cause"] != "unreachable_host")
+        share = f"{usable}/{rest} = {usable / rest:.0%}" if rest else "-"
+        lines.append(f"| {source} | {len(rs)} | {usable} | {unreachable} | {share} | "
+                     + ", ".join(f"{c} {n}" for c, n in causes.most_common()) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """``checkout`` a corpus from a git mirror, or ``run`` corpora and print the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("checkout", help="copy task folders out of a fetched git mirror")
+    c.add_argument("repo", type=Path)
+    c.add_argument("subdir")
+    c.add_argument("dest", type=Path)
+    c.add_argument("--strip-prefix", default="")
+    c.add_argument("--sample", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run", help="build and validate every task of the given folders")
+    r.add_argument("roots", type=Path, nargs="+")
+    r.add_argument("--parallel", type=int, default=2)
+    r.add_argument("--keep-images", action="store_true")
+    r.add_argument("--offline", action="store_true", help="builds without network (tasks.build_network = false)")
+    r.add_argument("--out", type=Path, help="write every record as JSON")
+    args = p.parse_args()
+    if args.cmd == "checkout":
+        print(checkout(args.repo, args.subdir, args.dest, args.strip_prefix, args.sample, args.seed), "task folders")
+        return
+    t0 = time.perf_counter()
+    records = run(args.roots, args.parallel, args.keep_images, not args.offline)
+    if args.out:
+        args.out.write_text(json.dumps(records, indent=1))
+    print(summary(records))
+    print(f"{len(records)} tasks in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
