@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from infra.sandbox.base import Sandbox
+    from infra.sandbox.base import ExecResult, Sandbox
 
 
 class Outcome(enum.StrEnum):
@@ -39,8 +39,9 @@ class Verdict:
     Attributes:
         reward: 1.0 pass, 0.0 fail (binary, as Terminal-Bench and HumanEval score; Harbor's may lie between).
         outcome: success, model_failure (tests fail) or unknown (no parsable result).
-        reason: reason code (``tests_passed``, ``tests_failed``, ``tests_skipped``, ``no_tests_collected``,
-            ``verifier_timeout``, ``verifier_error``).
+        reason: reason code (``tests_passed``, ``tests_failed``, ``tests_skipped``, ``tests_did_not_run``,
+            ``no_tests_collected``, ``verifier_timeout``, ``verifier_error``, ``no_reward_file``; each
+            defined in ``envs/verify.py``; ``solution_timeout`` from a reference run).
         log: the verifier's output, truncated.
     """
 
@@ -166,13 +167,15 @@ class TerminalTask(Task):
             sandbox.exec(command, timeout_s=self.command_timeout_s)
         return self.verify(sandbox, "")
 
+    def run_solution(self, sandbox: Sandbox) -> ExecResult:
+        """Run the reference solution as the format's oracle agent does (each format defines it)."""
+        raise NotImplementedError
+
     def reference(self, sandbox: Sandbox, with_solution: bool) -> Verdict:
-        """The solution script runs as the agent would (then is deleted); the task's verifier scores it."""
+        """The reference solution run as the format's oracle runs it (``run_solution``), then the task's verifier."""
         if not with_solution or self.solution is None:
             return self.verify(sandbox, "")
-        sandbox.put_file(self.solution.encode(), "/agentrl-solution.sh")
-        r = sandbox.exec("bash /agentrl-solution.sh; rc=$?; rm -f /agentrl-solution.sh; exit $rc",
-                         timeout_s=max(self.agent_timeout_s, 30.0))
+        r = self.run_solution(sandbox)
         if r.timed_out:
             return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", r.output[-2000:])
         v = self.verify(sandbox, "")

@@ -1,18 +1,35 @@
 """Terminal-Bench 1.x task folders.
 
-A folder holds ``task.yaml`` (instruction, ``max_agent_timeout_sec``, ``max_test_timeout_sec``,
-``parser_name``, ``difficulty``, ``tags``), the environment as a ``Dockerfile`` or a
-single-service ``docker-compose.yaml`` whose service is built from the folder, hidden ``tests/``
-(``test_outputs.py``, run with pytest), optionally ``run-tests.sh``, and the reference solution
-``solution.sh`` (and, our extension, ``setup_command``: an expensive set-up run once and
-snapshotted). ``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder
-does not stop the others: it is returned in the error list with a message naming the file and
-the field.
+A folder holds ``task.yaml``, the environment as a ``Dockerfile`` or a single-service
+``docker-compose.yaml`` whose service is built from the folder, the hidden ``run-tests.sh`` and
+``tests/``, and the reference solution ``solution.sh`` or ``solution.yaml``.
+``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder does not stop the
+others: it is returned in the error list with a message naming the file and the field.
 
-Not supported (reported as load errors): compose files with more than one service (tasks that
-need a database or a second host), parsers other than ``pytest``. ``run-tests.sh`` is not run:
-upstream it installs pytest from the network; our verifier runs ``tests/test_outputs.py`` with
-the image's pytest under a hardened configuration (``envs/verify.py``).
+task.yaml fields read, with upstream's defaults (``terminal_bench/handlers/trial_handler.py``,
+``Task``, terminal-bench 0.2.18):
+
+- ``instruction`` (required), ``difficulty``, ``tags``;
+- ``parser_name`` (default ``pytest``; also ``swebench``, ``swelancer``, ``mlebench``,
+  ``sweperf``: ``envs/parsers.py``);
+- ``max_agent_timeout_sec`` (default 360): the episode budget and the reference solution's limit;
+- ``max_test_timeout_sec`` (default 60): the limit for ``run-tests.sh`` (upstream's limit for
+  the whole test run, despite its description "for each individual test");
+- ``run_tests_in_same_shell`` (default false): read and stored, **not yet honoured**: we have no
+  persistent agent shell, so the tests always run in a fresh one (upstream's default);
+- ours: ``per_command_timeout_sec`` (default: ``max_agent_timeout_sec``; upstream has no limit
+  per command, only the agent's), ``setup_command`` (an expensive set-up run once and snapshotted).
+
+Verification (``envs/verify.py``): with ``run-tests.sh``, as the upstream harness does it
+(``verify_run_tests``); a folder without ``run-tests.sh`` (this project's own older layout) runs
+``tests/test_outputs.py`` with the image's pytest under a hardened configuration
+(``verify_terminal``). The reference solution runs as upstream's oracle agent runs it
+(``terminal_bench/agents/oracle_agent.py``): copied to ``/oracle/solution.sh`` and run with
+``bash /oracle/solution.sh`` in the image's WORKDIR; a ``solution.yaml`` is turned into the
+equivalent script (``solution_yaml_script``).
+
+Not supported (load errors): compose files with more than one service (tasks that need a
+database or a second host), a ``parser_name`` upstream does not have.
 """
 
 from __future__ import annotations
@@ -23,25 +40,105 @@ from typing import TYPE_CHECKING, ClassVar
 
 import yaml
 
+from envs.parsers import PARSERS
 from envs.task import Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
-from envs.verify import verify_terminal
+from envs.verify import verify_run_tests, verify_terminal
 
-SUPPORTED_PARSERS = ("pytest",)
+SUPPORTED_PARSERS = tuple(PARSERS)
+ORACLE_PATH = "/oracle/solution.sh"
+"""Where upstream's oracle agent puts ``solution.sh`` (``OracleAgent.perform_task``)."""
 
 if TYPE_CHECKING:
-    from infra.sandbox.base import Sandbox
+    from infra.sandbox.base import ExecResult, Sandbox
 
 
 @dataclass(frozen=True, kw_only=True)
 class TerminalBenchTask(TerminalTask):
-    """A Terminal-Bench 1.x task: verified by ``tests/test_outputs.py`` under our hardened pytest."""
+    """A Terminal-Bench 1.x task.
 
+    Attributes:
+        run_tests: the text of ``run-tests.sh``; None: the folder has none, and
+            ``tests/test_outputs.py`` runs under our hardened pytest instead.
+        parser_name: how ``run-tests.sh``'s output is scored (``envs/parsers.py``).
+        run_tests_in_same_shell: task.yaml's flag, stored; not honoured yet (no persistent shell).
+    """
+
+    run_tests: str | None = None
+    parser_name: str = "pytest"
+    run_tests_in_same_shell: bool = False
     task_format: ClassVar[str] = "terminal-bench"
     verifier_name: ClassVar[str] = "pytest"
 
     def verify(self, sandbox: Sandbox, final_reply: str) -> Verdict:
-        """Hidden tests copied in fresh, run with pytest, verdict from their JUnit report (``envs.verify``)."""
+        """``run-tests.sh`` as upstream runs it, else the hardened pytest run (``envs.verify``)."""
+        if self.run_tests is not None:
+            return verify_run_tests(sandbox, self)
         return verify_terminal(sandbox, self)
+
+    def run_solution(self, sandbox: Sandbox) -> ExecResult:
+        """Upstream's oracle: the script at ``/oracle/solution.sh``, ``bash`` on it in the WORKDIR, agent timeout."""
+        sandbox.exec("mkdir -p /oracle", timeout_s=10, workdir="/")
+        sandbox.put_file((self.solution or "").encode(), ORACLE_PATH)
+        return sandbox.exec(f"bash {ORACLE_PATH}", timeout_s=self.agent_timeout_s)
+
+    def verification_parts(self) -> list[str]:
+        """As :meth:`TerminalTask.verification_parts`; a ``run-tests.sh`` task adds the script and its parser.
+
+        A folder without ``run-tests.sh`` keeps the parts (and the cached validations) it had.
+        """
+        parts = super().verification_parts()
+        if self.run_tests is not None:
+            parts[0] = f"run-tests.sh:{self.parser_name}"
+            parts[3] = self.run_tests
+        return parts
+
+
+_SOLUTION_COMMAND_FIELDS = {"command": str, "min_timeout_sec": (int, float), "max_timeout_sec": (int, float),
+                            "block": bool, "append_enter": bool}
+
+
+def solution_yaml_script(path: Path) -> str:
+    """The bash script equivalent to an upstream ``solution.yaml`` (a list of ``TerminalCommand``).
+
+    Upstream (``terminal_bench/terminal/models.py``, ``TerminalCommand``; ``OracleAgent``) types each
+    ``command`` into one tmux shell, followed by Enter unless ``append_enter: false``. Here the
+    commands become the lines of one script run by one bash, so shell state (``cd``, variables)
+    carries over as it does in the tmux shell. A command with ``append_enter: false`` is joined to
+    the next one on the same line (as typed keys would be); a trailing one is dropped (typed
+    but never entered, it never runs upstream either).
+
+    Dropped, as they only matter with tmux: ``block`` and ``min_timeout_sec`` (how long the oracle
+    waits before typing the next command: a script runs them one after another anyway) and
+    ``max_timeout_sec`` (the whole script is bounded by the agent timeout instead). Not
+    reproduced: keys typed into an interactive program (an editor, a REPL) and tmux key names
+    (``C-c``, ``Escape``): a script runs each line as a shell command; such a solution fails
+    validation instead of passing.
+
+    Raises:
+        TaskError: not YAML, not a list of mappings with a string ``command``, or a field of the
+            wrong type; the message names the file, the entry and the field.
+    """
+    try:
+        data = yaml.safe_load(read_task_text(path))
+    except yaml.YAMLError as e:
+        raise TaskError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, list) or not data:
+        raise TaskError(f"{path}: expected a non-empty list of commands ({{command: ..., append_enter: ...}})")
+    lines: list[str] = []
+    pending = ""
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or "command" not in entry:
+            raise TaskError(f"{path}: entry {i} must be a mapping with a field 'command'")
+        for key, kind in _SOLUTION_COMMAND_FIELDS.items():
+            value = entry.get(key)
+            if key in entry and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+                want = "a string" if kind is str else "true or false" if kind is bool else "a number of seconds"
+                raise TaskError(f"{path}: entry {i} field '{key}' must be {want}, got {value!r}")
+        pending += entry["command"]
+        if entry.get("append_enter", True):
+            lines.append(pending)
+            pending = ""
+    return "#!/bin/bash\n" + "".join(line + "\n" for line in lines)
 
 
 def _compose_dockerfile(folder: Path) -> str:
@@ -84,8 +181,9 @@ def load_terminal_task(folder: Path) -> Task:
     """Load one Terminal-Bench task folder.
 
     Raises:
-        TaskError: missing ``task.yaml``/environment/``tests/``, unparseable YAML, an unknown
-            parser, or a field of the wrong type; the message names the file and field.
+        TaskError: missing ``task.yaml``/environment, no ``run-tests.sh`` and no
+            ``tests/test_outputs.py``, unparseable YAML, an unknown parser, or a field of the wrong
+            type; the message names the file and field.
     """
     spec_path = folder / "task.yaml"
     if not spec_path.is_file():
@@ -103,14 +201,20 @@ def load_terminal_task(folder: Path) -> Task:
     else:
         raise TaskError(f"{folder / 'Dockerfile'}: missing (the task's environment is built from a Dockerfile "
                         "or a single-service docker-compose.yaml)")
-    if not (folder / "tests" / "test_outputs.py").is_file():
-        raise TaskError(f"{folder / 'tests' / 'test_outputs.py'}: missing (hidden tests verify the episode)")
+    run_tests_path = folder / "run-tests.sh"
+    run_tests = read_task_text(run_tests_path) if run_tests_path.is_file() else None
+    if run_tests is None and not (folder / "tests" / "test_outputs.py").is_file():
+        raise TaskError(f"{folder / 'tests' / 'test_outputs.py'}: missing (hidden tests verify the episode; "
+                        "or add run-tests.sh)")
     instruction = spec.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
         raise TaskError(f"{spec_path}: field 'instruction' must be a non-empty string")
     parser = spec.get("parser_name", "pytest")
     if parser not in SUPPORTED_PARSERS:
-        raise TaskError(f"{spec_path}: field 'parser_name' is {parser!r}; supported: {', '.join(SUPPORTED_PARSERS)}")
+        raise TaskError(f"{spec_path}: field 'parser_name' is {parser!r}, which is not supported; "
+                        f"supported: {', '.join(SUPPORTED_PARSERS)}")
+    if parser != "pytest" and run_tests is None:
+        raise TaskError(f"{run_tests_path}: missing (field 'parser_name' {parser!r} scores run-tests.sh's output)")
 
     def seconds(key: str, default: float) -> float:
         value = spec.get(key, default)
@@ -124,20 +228,33 @@ def load_terminal_task(folder: Path) -> Task:
     setup_command = spec.get("setup_command", "") or ""
     if not isinstance(setup_command, str):
         raise TaskError(f"{spec_path}: field 'setup_command' must be a string")
-    solution = folder / "solution.sh"
+    same_shell = spec.get("run_tests_in_same_shell", False)
+    if not isinstance(same_shell, bool):
+        raise TaskError(f"{spec_path}: field 'run_tests_in_same_shell' must be true or false, got {same_shell!r}")
+    # Upstream's TaskPaths.solution_path: solution.sh wins over solution.yaml.
+    if (folder / "solution.sh").is_file():
+        solution: str | None = read_task_text(folder / "solution.sh")
+    elif (folder / "solution.yaml").is_file():
+        solution = solution_yaml_script(folder / "solution.yaml")
+    else:
+        solution = None
+    agent_timeout_s = seconds("max_agent_timeout_sec", 360.0)
     return TerminalBenchTask(
         task_id=f"tb/{folder.name}",
         instruction=instruction.strip(),
         build_context=folder,
         tests_dir=folder / "tests",
-        agent_timeout_s=seconds("max_agent_timeout_sec", 120.0),
-        command_timeout_s=seconds("per_command_timeout_sec", 10.0),
-        verifier_timeout_s=seconds("max_test_timeout_sec", 30.0),
+        agent_timeout_s=agent_timeout_s,
+        command_timeout_s=seconds("per_command_timeout_sec", agent_timeout_s),
+        verifier_timeout_s=seconds("max_test_timeout_sec", 60.0),
         difficulty=str(spec.get("difficulty", "")),
         tags=tuple(str(t) for t in tags),
         dockerfile=dockerfile,
-        solution=read_task_text(solution) if solution.is_file() else None,
+        solution=solution,
         setup_command=setup_command.strip(),
+        run_tests=run_tests,
+        parser_name=parser,
+        run_tests_in_same_shell=same_shell,
     )
 
 

@@ -2,23 +2,62 @@
 
 Terminal tasks: every process the agent left running is killed, then the hidden tests are
 copied to ``/tests`` only after the agent finished (any ``/tests`` the agent made is removed
-first). Terminal-Bench tests run with pytest, hardened against an agent that plants
-configuration (see ``_PYTEST``); Harbor tests run ``tests/test.sh``, whose reward file is read
-from a ``/logs/verifier`` emptied just before (an agent cannot pre-write its reward). Not
-defended: an agent that, as root in its container, replaces python3, pytest or bash themselves.
-Code tasks: the extracted program, followed by the problem's tests, runs with python3 inside
-the sandbox.
+first). Commands run in the image's ``WORKDIR`` (the sandbox default), as upstream runs them.
+
+- Terminal-Bench with ``run-tests.sh`` (every upstream task): run as the Terminal-Bench harness
+  runs it (``terminal_bench/harness/harness.py``, ``_setup_test_env``, ``_run_tests``,
+  ``_parse_results``, ``_is_resolved``): ``tests/`` and ``run-tests.sh`` copied into ``/tests``,
+  ``bash /tests/run-tests.sh`` with ``TEST_DIR=/tests`` under ``max_test_timeout_sec``, its output
+  scored by the task's parser (``envs/parsers.py``); resolved iff every parsed test passed. Its
+  exit status is ignored, as upstream ignores it.
+- Terminal-Bench without ``run-tests.sh``: ``tests/test_outputs.py`` runs with pytest, hardened
+  against an agent that plants configuration (see ``_PYTEST``).
+- Harbor: ``tests/test.sh`` runs as Harbor's verifier runs it (``harbor/verifier/verifier.py``,
+  ``Verifier.verify``, harbor 0.26): made executable and run directly, with ``[verifier] env``, its
+  output to ``/logs/verifier/test-stdout.txt``; the reward file is read from a ``/logs/verifier``
+  emptied just before (an agent cannot pre-write its reward).
+
+Not defended: an agent that, as root in its container, replaces python3, pytest or bash
+themselves; a ``run-tests.sh`` task's tests run as authored, without the hardening (upstream's
+own protection is the same: none). Code tasks: the extracted program, followed by the problem's
+tests, runs with python3 inside the sandbox.
+
+Reason codes (``Verdict.reason``) of the terminal verifiers:
+
+- ``tests_passed`` (success): every test passed / reward 1.
+- ``tests_failed`` (model_failure): the tests ran and at least one failed / reward below 1.
+- ``tests_skipped`` (model_failure, hardened pytest only): a test was skipped.
+- ``tests_did_not_run`` (unknown): ``run-tests.sh`` printed no result section its parser knows
+  (pytest: no ``short test summary info``): the test environment is broken (pytest missing,
+  a download that failed), not the solution. Upstream: ``FailureMode.PARSE_ERROR``.
+- ``no_tests_collected`` (unknown): a result section without a single test (hardened pytest: a
+  JUnit report with 0 tests). Upstream would call an empty pytest summary resolved; we do not.
+- ``verifier_timeout`` (unknown): the tests ran past the task's test timeout (upstream
+  ``FailureMode.TEST_TIMEOUT``).
+- ``verifier_error`` (unknown): the hardened run wrote no readable report, or Harbor's reward
+  file does not parse.
+- ``no_reward_file`` (unknown, Harbor): ``test.sh`` wrote neither reward file.
+
+Every unknown verdict keeps the verifier's log tail in ``Verdict.log``.
 """
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
 
+from envs.parsers import ParseError, parse_test_output
 from envs.task import Outcome, Task, TerminalTask, Verdict
 from infra.sandbox.base import Sandbox
 
-__all__ = ["Verdict", "junit_verdict", "parse_reward", "verify_code", "verify_harbor", "verify_terminal"]
+if TYPE_CHECKING:
+    from envs.harbor import HarborTask
+    from envs.terminal_bench import TerminalBenchTask
 
+__all__ = ["Verdict", "junit_verdict", "parse_reward", "parsed_verdict", "verify_code", "verify_harbor",
+           "verify_run_tests", "verify_terminal"]
+
+_LOG_CHARS = 4000
 
 # pytest runs with our own ini (agent-written pytest.ini/pyproject/setup.cfg are ignored), conftest
 # discovery cut at /tests (a /conftest.py or /app/conftest.py written by the agent is not loaded),
@@ -55,7 +94,7 @@ def junit_verdict(report_xml: str, log: str) -> Verdict:
 
 
 def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
-    """Copy the hidden tests in (replacing any ``/tests`` the agent made) and run them.
+    """Copy the hidden tests in (replacing any ``/tests`` the agent made) and run them, hardened.
 
     Raises:
         SandboxInfraError: the sandbox died while verifying (an infra failure, not a verdict).
@@ -63,8 +102,8 @@ def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     sandbox.stop_agent_processes()
     sandbox.put_dir(task.tests_dir, "/tests")
     sandbox.put_file(b"[pytest]\n", _INI)
-    result = sandbox.exec(_PYTEST, timeout_s=task.verifier_timeout_s, workdir="/app")
-    log = result.output[-4000:]
+    result = sandbox.exec(_PYTEST, timeout_s=task.verifier_timeout_s)
+    log = result.output[-_LOG_CHARS:]
     if result.timed_out:
         return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", log)
     report = sandbox.get_file(_REPORT)
@@ -73,53 +112,118 @@ def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     return junit_verdict(report.decode("utf-8", "replace"), log)
 
 
+TEST_DIR = "/tests"
+"""Upstream ``DockerComposeManager.CONTAINER_TEST_DIR``; ``run-tests.sh`` gets it as ``$TEST_DIR``."""
+# run-tests.sh's merged output goes to a file read back whole: an exec's own output is cut at the
+# backend's limit (16 KiB, the head), and pytest's summary is at the end. Not under /tmp (a tmpfs
+# the archive API cannot read), not under /tests (a script may collect everything there).
+_RUN_TESTS_LOG = "/agentrl-run-tests.log"
+
+
+def parsed_verdict(parser_name: str, output: str) -> Verdict:
+    """Verdict of ``run-tests.sh``'s ``output`` under the task's parser (upstream ``_parse_results``, ``_is_resolved``).
+
+    Resolved (reward 1) iff every parsed test passed; a parse error is ``tests_did_not_run`` and
+    a result section without tests ``no_tests_collected`` (both ``unknown``: the test environment,
+    not the agent, is at fault). The log keeps the output's tail.
+    """
+    log = output[-_LOG_CHARS:]
+    try:
+        results = parse_test_output(parser_name, output)
+    except ParseError as e:
+        return Verdict(0.0, Outcome.UNKNOWN, "tests_did_not_run", f"{e}\n{log}")
+    if not results:
+        return Verdict(0.0, Outcome.UNKNOWN, "no_tests_collected", log)
+    if all(results.values()):
+        return Verdict(1.0, Outcome.SUCCESS, "tests_passed", log)
+    failed = [name for name, ok in results.items() if not ok]
+    named = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
+    summary = f"{len(failed)} of {len(results)} failed: {named}"
+    return Verdict(0.0, Outcome.MODEL_FAILURE, "tests_failed", f"{summary}\n{log}")
+
+
+def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
+    """Run a Terminal-Bench task's ``run-tests.sh`` as the upstream harness does and parse its output.
+
+    ``/tests`` is emptied, then gets ``tests/`` (when the task has it) and ``run-tests.sh``;
+    ``bash /tests/run-tests.sh`` runs in the image's WORKDIR with ``TEST_DIR=/tests`` for at most
+    the task's ``max_test_timeout_sec``. Upstream runs it in a fresh tmux session (unless
+    ``run_tests_in_same_shell``) and parses the pane; here it is one exec and its output.
+
+    Raises:
+        SandboxInfraError: the sandbox died while verifying.
+    """
+    if task.run_tests is None:
+        raise ValueError(f"{task.task_id}: has no run-tests.sh (its verifier is verify_terminal)")
+    sandbox.stop_agent_processes()
+    sandbox.exec(f"rm -rf {TEST_DIR} {_RUN_TESTS_LOG} && mkdir -p {TEST_DIR}", timeout_s=10, workdir="/")
+    if task.tests_dir.is_dir():
+        sandbox.put_dir(task.tests_dir, TEST_DIR)
+    sandbox.put_file(task.run_tests.encode(), f"{TEST_DIR}/run-tests.sh")
+    result = sandbox.exec(f"bash {TEST_DIR}/run-tests.sh > {_RUN_TESTS_LOG} 2>&1",
+                          timeout_s=task.verifier_timeout_s, env={"TEST_DIR": TEST_DIR})
+    written = sandbox.get_file(_RUN_TESTS_LOG)
+    output = written.decode("utf-8", "replace") if written is not None else result.output
+    if result.timed_out:
+        return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", output[-_LOG_CHARS:])
+    return parsed_verdict(task.parser_name, output)
+
+
 _REWARD_DIR = "/logs/verifier"
+_TEST_STDOUT = f"{_REWARD_DIR}/test-stdout.txt"
+# Harbor's verifier: ``chmod +x`` then ``(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1``
+# (harbor/utils/scripts.py, build_execution_command).
+HARBOR_TEST_COMMAND = f"chmod +x {TEST_DIR}/test.sh && ({TEST_DIR}/test.sh) > {_TEST_STDOUT} 2>&1"
 
 
 def parse_reward(reward_txt: bytes | None, reward_json: bytes | None) -> float | None:
-    """Harbor's reward: a float in ``reward.txt``, else ``{"reward": x}`` in ``reward.json``; None if neither parses.
+    """Harbor's reward: ``{"reward": x}`` in ``reward.json``, else a float in ``reward.txt``; None if it does not parse.
 
-    A value outside [0, 1] or not finite is treated as unparsable (a verifier bug, not a score).
+    ``reward.json`` wins when both exist, as in Harbor's ``Verifier.verify`` (harbor 0.26). A value
+    outside [0, 1] or not finite is treated as unparsable (a verifier bug, not a score).
     """
     import json
     import math
 
     value: object = None
-    if reward_txt is not None:
-        try:
-            value = float(reward_txt.decode("utf-8", "replace").strip())
-        except ValueError:
-            return None
-    elif reward_json is not None:
+    if reward_json is not None:
         try:
             data = json.loads(reward_json)
         except ValueError:
             return None
         value = data.get("reward") if isinstance(data, dict) else None
+    elif reward_txt is not None:
+        try:
+            value = float(reward_txt.decode("utf-8", "replace").strip())
+        except ValueError:
+            return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value) if 0.0 <= value <= 1.0 else None
 
 
-def verify_harbor(sandbox: Sandbox, task: TerminalTask) -> Verdict:
-    """Run a Harbor task's ``tests/test.sh`` and read the reward it wrote.
+def verify_harbor(sandbox: Sandbox, task: HarborTask) -> Verdict:
+    """Run a Harbor task's ``tests/test.sh`` as Harbor's verifier does and read the reward it wrote.
 
-    Reward 1 is ``success``; below 1 is ``model_failure`` (reason ``tests_failed``, reward kept);
-    no reward file or an unparsable one is ``unknown``; ``test.sh`` past its timeout is ``unknown``
-    (``verifier_timeout``).
+    ``/tests`` gets ``tests/``; ``/logs/verifier`` is emptied; ``test.sh`` runs directly (its
+    shebang decides the interpreter) in the image's WORKDIR with ``[verifier] env``, output to
+    ``/logs/verifier/test-stdout.txt``. Reward 1 is ``success``; below 1 is ``model_failure``
+    (reason ``tests_failed``, reward kept); no reward file or an unparsable one is ``unknown``;
+    ``test.sh`` past its timeout is ``unknown`` (``verifier_timeout``).
 
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
     sandbox.stop_agent_processes()
-    sandbox.put_dir(task.tests_dir, "/tests")
+    sandbox.put_dir(task.tests_dir, TEST_DIR)
     sandbox.exec(f"rm -rf {_REWARD_DIR} && mkdir -p {_REWARD_DIR} /logs/agent", timeout_s=10, workdir="/")
-    result = sandbox.exec("bash /tests/test.sh", timeout_s=task.verifier_timeout_s, workdir="/tests")
-    log = result.output[-4000:]
+    result = sandbox.exec(HARBOR_TEST_COMMAND, timeout_s=task.verifier_timeout_s, env=dict(task.verifier_env) or None)
+    written = sandbox.get_file(_TEST_STDOUT)
+    log = (written.decode("utf-8", "replace") if written is not None else result.output)[-_LOG_CHARS:]
     if result.timed_out:
         return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", log)
-    txt = sandbox.get_file(f"{_REWARD_DIR}/reward.txt")
-    raw_json = sandbox.get_file(f"{_REWARD_DIR}/reward.json") if txt is None else None
+    raw_json = sandbox.get_file(f"{_REWARD_DIR}/reward.json")
+    txt = sandbox.get_file(f"{_REWARD_DIR}/reward.txt") if raw_json is None else None
     reward = parse_reward(txt, raw_json)
     if reward is None:
         reason = "no_reward_file" if txt is None and raw_json is None else "verifier_error"
@@ -138,7 +242,7 @@ def verify_code(sandbox: Sandbox, task: Task, program: str) -> Verdict:
     sandbox.exec("mkdir -p /work", timeout_s=5)
     sandbox.put_file(program.encode(), "/work/program.py")
     result = sandbox.exec("python3 /work/program.py", timeout_s=task.verifier_timeout_s, workdir="/work")
-    log = result.output[-4000:]
+    log = result.output[-_LOG_CHARS:]
     if result.timed_out:
         return Verdict(0.0, Outcome.MODEL_FAILURE, "program_timeout", log)
     if result.exit_code == 0:

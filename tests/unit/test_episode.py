@@ -18,6 +18,7 @@ from envs.harbor import HarborTask
 from envs.humaneval import CodeTask
 from envs.task import Task
 from envs.terminal_bench import TerminalBenchTask
+from envs.verify import HARBOR_TEST_COMMAND
 from infra.rollout.collector import Collector, CollectSettings
 from infra.rollout.scheduler import EpisodeJob
 from infra.rollout.servers import EngineUnavailable
@@ -58,7 +59,7 @@ def world(box: InMemorySandbox, command: str):
         for k in [k for k in box.files if k.startswith("/logs/verifier/")]:
             del box.files[k]
         return (0, "", 0.0, False)
-    if command == "bash /tests/test.sh" and "/tests/test.sh" in box.files:
+    if command == HARBOR_TEST_COMMAND and "/tests/test.sh" in box.files:  # Harbor runs test.sh directly
         box.files["/logs/verifier/reward.txt"] = b"1\n" if ok else b"0\n"
         return (0, "", 0.5, False)
     if command == "mkdir -p /work":
@@ -348,7 +349,7 @@ def test_a_harbor_task_is_scored_from_its_reward_file(rig, tmp_path, replies, ou
     assert (row["outcome"], row["reward"]) == (outcome, reward)
     [box] = r.sandboxes.sandboxes
     assert box.files["/logs/verifier/reward.txt"] == (b"1\n" if reward else b"0\n")
-    assert execs(box)[-1] == "bash /tests/test.sh"
+    assert execs(box)[-1] == HARBOR_TEST_COMMAND
 
 
 @pytest.mark.parametrize(("body", "outcome"), [("    return a + b\n", "success"),

@@ -161,8 +161,8 @@ def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda d: (d / "task.yaml").write_text("instruction: hi\nparser_name: swebench\n"),
-     "task.yaml: field 'parser_name' is 'swebench'; supported: pytest"),
+    (lambda d: (d / "task.yaml").write_text("instruction: hi\nparser_name: junit\n"),
+     "task.yaml: field 'parser_name' is 'junit', which is not supported; supported: pytest, swebench"),
     (lambda d: (d / "task.yaml").write_text("difficulty: easy\n"), "task.yaml: field 'instruction' must be"),
     (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: .}\n  db: {image: postgres}\n"),
      "docker-compose.yaml: field 'services' must hold exactly one service, found 2"),
@@ -173,7 +173,9 @@ def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
     (lambda d: (d / "task.yaml").write_bytes(b"instruction: caf\xe9\n"), "task.yaml: not UTF-8 text"),
     (lambda d: (d / "task.yaml").write_text("instruction: hi\nmax_agent_timeout_sec: .nan\n"),
      "task.yaml: field 'max_agent_timeout_sec' must be a positive number of seconds, got nan"),
-    (lambda d: (d / "tests" / "test_outputs.py").unlink(), "tests/test_outputs.py: missing"),
+    # csv-column has run-tests.sh (it would load without test_outputs.py): the hardened layout needs the file
+    (lambda d: ((d / "tests" / "test_outputs.py").unlink(), (d / "run-tests.sh").unlink()),
+     "tests/test_outputs.py: missing"),
 ])
 def test_bad_terminal_bench_task_names_file_and_field(tmp_path, mutate, message):
     from envs import load_taskset
@@ -224,7 +226,8 @@ def test_base_image_mapping_rewrites_only_unpullable_from_lines():
 @pytest.mark.parametrize(("txt", "js", "want"), [
     (b"1\n", None, 1.0), (b" 0.25 ", None, 0.25), (None, b'{"reward": 1}', 1.0), (None, b'{"reward": 0.0}', 0.0),
     (b"yes", None, None), (None, b"[1]", None), (None, b'{"score": 1}', None), (b"1.5", None, None),
-    (b"nan", None, None), (None, None, None), (b"0", b'{"reward": 1}', 0.0),
+    (b"nan", None, None), (None, None, None),
+    (b"0", b'{"reward": 1}', 1.0),  # reward.json wins over reward.txt, as in Harbor 0.26's Verifier.verify
 ])
 def test_harbor_reward_parsing(txt, js, want):
     from envs.verify import parse_reward
