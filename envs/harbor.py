@@ -14,9 +14,9 @@ or ``{"reward": x}`` to ``/logs/verifier/reward.json``) and the reference soluti
 - ``[solution] env``: added to ``solve.sh``'s environment (with ``DEBIAN_FRONTEND=noninteractive``,
   as Harbor's oracle sets it);
 - ``[environment] cpus``, ``memory_mb`` (or ``memory = "2G"``), ``storage_mb`` (or ``storage``):
-  no default (the backend's); ``network_mode`` (``public`` or ``no-network``) or the older
-  ``allow_internet``: network access, **off unless the task asks for it** (Harbor's default is
-  public; this project's sandboxes are offline by default); ``build_timeout_sec`` is read and
+  no default (the backend's: no limit, as Harbor); ``network_mode`` (``public`` or ``no-network``)
+  or the older ``allow_internet``: network access, on unless the task turns it off, as Harbor's
+  default ``public`` (``tasks.sandbox_network = "none"`` turns it off for a run); ``build_timeout_sec`` is read and
   checked but not enforced; ``setup_command`` (our extension): run once after start,
   snapshotted, attempts start from it;
 - ``[metadata] difficulty``, ``tags``, ``category``.
@@ -226,7 +226,10 @@ def load_harbor_task(folder: Path) -> Task:
 
 
 def _network(env: dict, spec_path: Path) -> bool:
-    """Whether the sandbox gets network: ``network_mode`` (Harbor 0.26), else the older ``allow_internet``; default off.
+    """Whether the sandbox gets network: ``network_mode`` (Harbor 0.26), else the older ``allow_internet``.
+
+    Default on, as Harbor's (``network_mode = "public"``); ``tasks.sandbox_network = "none"`` turns it off
+    for a whole run.
 
     Raises:
         TaskError: a value of the wrong type, or ``network_mode = "allowlist"`` (not supported).
@@ -240,7 +243,7 @@ def _network(env: dict, spec_path: Path) -> bool:
             raise TaskError(f"{spec_path}: field 'environment.network_mode' must be 'public' or 'no-network', "
                             f"got {mode!r}")
         return mode == "public"
-    allow_internet = env.get("allow_internet", False)
+    allow_internet = env.get("allow_internet", True)
     if not isinstance(allow_internet, bool):
         raise TaskError(f"{spec_path}: field 'environment.allow_internet' must be true or false")
     return allow_internet

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 import yaml
 
 from envs.parsers import PARSERS
-from envs.task import Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
+from envs.task import SandboxLimits, Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
 from envs.verify import verify_run_tests, verify_terminal
 
 SUPPORTED_PARSERS = tuple(PARSERS)
@@ -255,6 +255,9 @@ def load_terminal_task(folder: Path) -> Task:
         run_tests=run_tests,
         parser_name=parser,
         run_tests_in_same_shell=same_shell,
+        # upstream's compose file puts the container on compose's default network (the internet); no
+        # CPU or memory limit unless the compose file sets one (the backend's default: none)
+        limits=SandboxLimits(network=True),
     )
 
 

@@ -67,6 +67,14 @@ class TaskSetConfig(_Strict):
     build_network: bool = True
     """Image builds reach what this machine reaches, as ``docker build`` does; false: offline builds (a
     build that downloads then fails with a message naming the step and this setting)."""
+    sandbox_network: Literal["as_authored", "none"] = "as_authored"
+    """``as_authored``: a sandbox has the network when its task format gives it (Terminal-Bench: always,
+    as its compose default network; Harbor: unless ``network_mode = "no-network"``); ``none``: no sandbox
+    of the run has any network (offline training on tasks that need none)."""
+    default_cpus: float = Field(0.0, ge=0)
+    """CPU limit of a sandbox whose task sets none; 0: no limit, as the upstream harnesses."""
+    default_memory_mb: int = Field(0, ge=0)
+    """Memory limit (MiB) of a sandbox whose task sets none; 0: no limit, as the upstream harnesses."""
     extra_ca_bundle: str = ""
     """PEM file of extra CA certificates (a TLS-intercepting proxy's) trusted inside local base images and
     so in builds and sandboxes; empty: ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when set, else none."""

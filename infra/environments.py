@@ -117,9 +117,16 @@ def load_tasks(terminal_dir: Path | None, terminal_eval_ids: list[str], humaneva
 
 
 def load_run_tasks(t: TaskSetConfig) -> tuple[dict[str, Task], dict[str, str], list[str]]:
-    """Every task a run's ``tasks`` config names: ``(tasks by id, split by id, load errors)`` (see ``load_tasks``)."""
-    return load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids, t.humaneval_train, t.humaneval_eval,
-                      resolve_path(t.code_file), [resolve_path(p) for p in t.task_sets if p])
+    """Every task a run's ``tasks`` config names: ``(tasks by id, split by id, load errors)`` (see ``load_tasks``).
+
+    ``tasks.sandbox_network = "none"`` takes the network from every task's sandbox.
+    """
+    tasks, split, errors = load_tasks(resolve_path(t.terminal_dir), t.terminal_eval_ids, t.humaneval_train,
+                                      t.humaneval_eval, resolve_path(t.code_file),
+                                      [resolve_path(p) for p in t.task_sets if p])
+    if t.sandbox_network == "none":
+        tasks = {i: replace(task, limits=replace(task.limits, network=False)) for i, task in tasks.items()}
+    return tasks, split, errors
 
 
 def validation_key(task: Task, image_digest: str) -> str:

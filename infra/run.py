@@ -24,7 +24,7 @@ from typing import assert_never
 from envs.task import Task
 from infra.config import AsyncScheduler, InprocEngine, RunConfig, ServersEngine
 from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
-from infra.layout import RunLayout
+from infra.layout import RunLayout, resolve_path
 from infra.preflight import preflight
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,11 @@ class Run:
         if self._backend is None:
             from infra.sandbox.docker_backend import DockerBackend
 
-            self._backend = DockerBackend()
+            t = self.config.tasks
+            self._backend = DockerBackend(
+                mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
+                nano_cpus=int(t.default_cpus * 1e9) or None,
+                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None)
             reaped = self._backend.reap_orphans()
             if reaped:
                 log.warning("removed %d sandbox containers left by crashed runs", reaped)

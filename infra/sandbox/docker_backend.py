@@ -1,17 +1,19 @@
 """Docker sandbox backend and task image builds (docker SDK).
 
-Isolation guaranteed here: no network (``network_mode=none``; a task may opt in: it then joins the
-``agentrl-internet`` bridge, which reaches the outside but no port of the host), all
-capabilities dropped, ``no-new-privileges``, memory/CPU/pids limits (the task's own when it sets
-them), a size-limited tmpfs ``/tmp`` (which the engine's archive API, and so ``put_file``/``get_file``,
-cannot see: keep files exchanged with the sandbox elsewhere), every container labelled ``agentrl=1`` plus the owning
-process (``agentrl.owner``) so the leftovers of a crashed run are reaped by label. Not
-guaranteed: protection against kernel exploits (containers share the host kernel), or a bound on
-what the agent writes outside ``/tmp`` (overlay2 on ext4 has no per-container quota).
+Isolation guaranteed here: no network unless the task has it (Terminal-Bench and Harbor tasks do,
+as upstream: the ``agentrl-internet`` bridge, which reaches the outside but no port of the host), all
+capabilities dropped, ``no-new-privileges``, a pids limit, memory/CPU limits when the task (or the
+run's ``tasks.default_*``) sets them, a size-limited tmpfs ``/tmp`` (which the engine's archive
+API, and so ``put_file``/``get_file``, cannot see: keep files exchanged with the sandbox
+elsewhere), every container labelled ``agentrl=1`` plus the owning process (``agentrl.owner``)
+so the leftovers of a crashed run are reaped by label. Not guaranteed: protection against kernel
+exploits (containers share the host kernel), or a bound on what the agent writes outside ``/tmp``
+(overlay2 on ext4 has no per-container quota).
 
-Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here:
-``build_image`` rewrites such ``FROM`` lines through a base-image mapping (default: every
-image not present locally becomes the local base image) and reports what it mapped.
+Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here; those
+with a local equivalent (``infra.base_images``) get it, built once and tagged with the upstream name;
+others are rewritten through ``tasks.base_images`` or to the fallback base image; the build log
+says which.
 
 Per-command deadlines are enforced inside the container with ``timeout -s KILL`` so that a
 command hitting its deadline (exit 137) is told apart from a client-side socket timeout.
@@ -47,10 +49,11 @@ _EXEC_DIR = "/.agentrl-exec"
 _EXEC_WRAPPER = (f'mkdir -p {_EXEC_DIR} && rm -f {_EXEC_DIR}/*.out; '
                  f'timeout -s KILL "$0" bash -c "$1" > "{_EXEC_DIR}/$2" 2>&1')
 # Files of a Terminal-Bench task folder that never enter the image build context.
-_HIDDEN = ("tests", "solution.sh", "task.yaml", "run-tests.sh")
+_HIDDEN = ("tests", "solution.sh", "solution.yaml", "task.yaml", "run-tests.sh")
 
 
 _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE | re.MULTILINE)
+_COPY_FROM = re.compile(r"^\s*COPY\s+(?:--\S+\s+)*?--from=(\S+)", re.IGNORECASE | re.MULTILINE)
 
 
 def map_base_images(dockerfile: str, mapping: dict[str, str], local: set[str] | None = None,
@@ -110,10 +113,16 @@ def _context_tar(folder: Path, dockerfile: str = "Dockerfile",
 class DockerBackend:
     """Starts sandboxes on a Docker engine and builds task images."""
 
-    def __init__(self, client: docker.DockerClient | None = None, mem_limit: str = "512m",
-                 nano_cpus: int = 1_000_000_000, pids_limit: int = 256, tmp_size_mb: int = 256,
-                 disk_mb: int = 1024):
+    def __init__(self, client: docker.DockerClient | None = None, mem_limit: str | None = None,
+                 nano_cpus: int | None = None, pids_limit: int = 1024, tmp_size_mb: int = 256,
+                 disk_mb: int = 1024, state_dir: Path | None = None, ca_bundle: Path | None = None):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
+
+        ``mem_limit`` (``"2g"``) and ``nano_cpus`` are the limits of sandboxes whose task sets none
+        (None: no limit, as the Terminal-Bench and Harbor harnesses); ``pids_limit`` always applies.
+        ``state_dir`` (default ``infra.services.state_path()``) caches local base images;
+        ``ca_bundle`` (default ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when the file exists) is the extra
+        CAs they trust (``infra.base_images``).
 
         Raises:
             SandboxInfraError: reason ``engine_unreachable`` when the engine does not answer.
@@ -133,6 +142,15 @@ class DockerBackend:
         except (docker.errors.DockerException, requests.exceptions.RequestException):
             self.disk_quota = False
         self._leftovers: set[str] = set()  # containers whose removal failed (engine down): swept later
+        if state_dir is None:
+            from infra.services import state_path
+
+            state_dir = state_path()
+        self.state_dir = Path(state_dir)
+        if ca_bundle is None:
+            found = [os.environ.get(k, "") for k in ("PIP_CERT", "SSL_CERT_FILE")]
+            ca_bundle = next((Path(f) for f in found if f and Path(f).is_file()), None)
+        self.ca_bundle = ca_bundle
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
@@ -156,10 +174,17 @@ class DockerBackend:
         """
         text = (context / dockerfile).read_text()
         local = {t for img in self.client.images.list() for t in img.tags}
+        equivalents = self._local_equivalents(text, base_images or {}, local, fallback_base)
+        local |= set(equivalents)
         mapped_text, mapped = map_base_images(text, base_images or {}, local, fallback_base)
         raw, digest = _context_tar(context, dockerfile, {dockerfile: mapped_text} if mapped else None)
+        if equivalents:  # a rebuilt local equivalent (other CAs, a new recipe) rebuilds the task image
+            ids = "".join(sorted(self.client.images.get(image).id for image in equivalents))
+            digest = hashlib.sha256(f"{digest}{ids}".encode()).hexdigest()
         tag = f"agentrl-task-{name.replace('/', '-').lower()}:{digest[:16]}"
-        note = "".join(f"base image {k} -> {v} (not pullable here)\n" for k, v in mapped.items())
+        note = "".join(f"base image {n}\n" for n in equivalents.values())
+        note += "".join(f"base image {k} -> {v} (no local equivalent: fallback or tasks.base_images)\n"
+                        for k, v in mapped.items())
         try:
             self.client.images.get(tag)
             return tag, False, note
@@ -169,6 +194,57 @@ class DockerBackend:
                                           dockerfile=dockerfile, network_mode="host" if network else "none",
                                           rm=True, forcerm=True, labels={LABEL: "1"})
         return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log))
+
+    def _local_equivalents(self, dockerfile: str, mapping: dict[str, str], local: set[str],
+                           fallback: str | None) -> dict[str, str]:
+        """Make the local equivalent of every registry image the Dockerfile names present under that name.
+
+        ``FROM`` and ``COPY --from=`` images that are not build stages, not local and not matched by
+        ``mapping`` are looked up in ``infra.base_images``; each found is built (or loaded) once and
+        tagged with the upstream name, so the Dockerfile builds unchanged.
+
+        Returns:
+            {upstream name: log note}.
+
+        Raises:
+            docker.errors.BuildError: a ``COPY --from`` image, or a ``FROM`` image with no fallback, has
+                no local equivalent; or building the equivalent failed.
+        """
+        from infra.base_images import ensure_local_base, local_base_for
+
+        stages = {m.group(4).split()[-1].lower() for m in _FROM.finditer(dockerfile)
+                  if m.group(4).strip().lower().startswith("as ")}
+        wanted = [(m.group(3), "FROM") for m in _FROM.finditer(dockerfile)]
+        wanted += [(m.group(1), "COPY --from") for m in _COPY_FROM.finditer(dockerfile)]
+        found: dict[str, str] = {}
+        for image, where in wanted:
+            if (image.lower() in stages or image.isdigit() or image == "scratch" or image in found
+                    or any(fnmatch.fnmatchcase(image, k) for k in mapping)):
+                continue
+            if image in local and not self._is_local_equivalent(image):
+                continue  # a real image of that name (pulled or built here): used as it is
+            hit = local_base_for(image)
+            if hit is None:
+                if where == "FROM" and fallback:
+                    continue  # map_base_images falls back
+                raise docker.errors.BuildError(
+                    f"{where} {image}: no local equivalent of this registry image (no registry is reachable "
+                    "here); map it with tasks.base_images", [])
+            base, note = hit
+            try:
+                ensure_local_base(self.client, base, self.state_dir, self.ca_bundle, alias=image)
+            except (RuntimeError, ValueError, docker.errors.DockerException) as e:
+                raise docker.errors.BuildError(f"local equivalent of {image} ({base.tag}) failed to build: {e}",
+                                               []) from e
+            found[image] = f"{note} (local equivalent, tagged {image})"
+        return found
+
+    def _is_local_equivalent(self, image: str) -> bool:
+        """Whether the local image named ``image`` is one of ours (``infra.base_images`` labels it)."""
+        try:
+            return any(k.startswith("agentrl.base.") for k in (self.client.images.get(image).labels or {}))
+        except docker.errors.ImageNotFound:
+            return False
 
     def snapshot(self, sandbox: DockerSandbox, repository: str, tag: str) -> str:
         """Commit a set-up sandbox as an image (``docker commit``), so attempts start from its state.
@@ -211,7 +287,7 @@ class DockerBackend:
             container = self.client.containers.create(
                 image, ["sleep", "infinity"], network_mode=INTERNET_NETWORK if network else "none", init=True,
                 mem_limit=mem, memswap_limit=mem,
-                nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus,
+                nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus or None,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777", _EXEC_DIR: "size=32m,mode=700"},
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,

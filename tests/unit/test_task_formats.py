@@ -296,9 +296,10 @@ def harbor_folder(tmp_path: Path, toml: str) -> Path:
 
 def test_harbor_defaults_are_harbors(tmp_path):
     t = load_harbor_task(harbor_folder(tmp_path, 'version = "1.0"\n'))
-    # [verifier] timeout_sec 600 (Harbor's default); [agent] none upstream, 600 here; per command: the agent's
+    # [verifier] timeout_sec 600 (Harbor's default); [agent] none upstream, 600 here; per command: the agent's;
+    # network "public"
     assert (t.agent_timeout_s, t.verifier_timeout_s, t.command_timeout_s) == (600.0, 600.0, 600.0)
-    assert t.limits.network is False and t.verifier_env == () and t.solution_env == ()
+    assert t.limits.network is True and t.verifier_env == () and t.solution_env == ()
 
 
 def test_harbor_verifier_and_oracle_get_their_env(tmp_path, monkeypatch):

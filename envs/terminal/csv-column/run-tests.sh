@@ -1,4 +1,5 @@
 #!/bin/bash
-# Upstream Terminal-Bench runner (installs pytest with uv from the network); agentrl runs
-# tests/test_outputs.py itself with the image's pytest, offline.
+# Run as Terminal-Bench's harness does: `bash /tests/run-tests.sh` in the WORKDIR with TEST_DIR=/tests,
+# scored by the pytest parser (-rA prints the short test summary). Upstream's boilerplate installs
+# pytest with uv from astral.sh at this point; this task bakes pytest into its image instead.
 pytest $TEST_DIR/test_outputs.py -rA
