@@ -89,6 +89,13 @@ def map_base_images(dockerfile: str, mapping: dict[str, str], local: set[str] | 
     return _FROM.sub(sub, dockerfile), replaced
 
 
+def _from_images(dockerfile: str) -> list[str]:
+    """The images ``FROM`` lines name, build stages left out."""
+    stages = {m.group(4).split()[-1].lower() for m in _FROM.finditer(dockerfile)
+              if m.group(4).strip().lower().startswith("as ")}
+    return [m.group(3) for m in _FROM.finditer(dockerfile) if m.group(3).lower() not in stages]
+
+
 def _context_tar(folder: Path, dockerfile: str = "Dockerfile",
                  rewrite: dict[str, str] | None = None) -> tuple[bytes, str]:
     """Deterministic tar of a build context (hidden files excluded) and its sha256.
@@ -178,8 +185,11 @@ class DockerBackend:
         local |= set(equivalents)
         mapped_text, mapped = map_base_images(text, base_images or {}, local, fallback_base)
         raw, digest = _context_tar(context, dockerfile, {dockerfile: mapped_text} if mapped else None)
-        if equivalents:  # a rebuilt local equivalent (other CAs, a new recipe) rebuilds the task image
-            ids = "".join(sorted(self.client.images.get(image).id for image in equivalents))
+        # a base image rebuilt under the same name (a local equivalent with other CAs, a new base recipe)
+        # rebuilds the task image: the ids of the local images it starts from are part of its tag
+        ids = "".join(sorted(self._image_id(image) for image in _from_images(mapped_text) if image in local
+                             or image in equivalents))
+        if ids:
             digest = hashlib.sha256(f"{digest}{ids}".encode()).hexdigest()
         tag = f"agentrl-task-{name.replace('/', '-').lower()}:{digest[:16]}"
         note = "".join(f"base image {n}\n" for n in equivalents.values())
@@ -238,6 +248,12 @@ class DockerBackend:
                                                []) from e
             found[image] = f"{note} (local equivalent, tagged {image})"
         return found
+
+    def _image_id(self, image: str) -> str:
+        try:
+            return self.client.images.get(image).id
+        except docker.errors.ImageNotFound:
+            return ""
 
     def _is_local_equivalent(self, image: str) -> bool:
         """Whether the local image named ``image`` is one of ours (``infra.base_images`` labels it)."""
@@ -509,6 +525,17 @@ class DockerSandbox:
         # itself is no longer running, which is an infra failure.
         timed_out = exit_code == 137 and duration_s >= timeout_s
         return ExecResult(exit_code, output, timed_out, duration_s)
+
+    def changes(self) -> list[tuple[str, str]]:
+        """What the container changed against its image (``docker diff``), tmpfs mounts left out.
+
+        Returns ``[(kind, path)]``, kind ``A`` (added), ``C`` (changed) or ``D`` (deleted).
+
+        Raises:
+            SandboxInfraError: the container is gone or the engine failed.
+        """
+        kinds = {0: "C", 1: "A", 2: "D"}
+        return [(kinds.get(c["Kind"], "?"), c["Path"]) for c in self._api("diff", self._container.diff) or []]
 
     def stop_agent_processes(self) -> int:
         """SIGKILL every process in the container except init and its ``sleep``.
