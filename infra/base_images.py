@@ -62,6 +62,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass
@@ -550,3 +551,76 @@ def ensure_local_base(client: docker.DockerClient, base: LocalBase, state_dir: P
         if alias:
             _tag_alias(client, base.tag, alias)
     return base.tag
+
+
+# ---------------------------------------------------------------- uv's distroless image
+
+_UV_IMAGE = re.compile(r"^ghcr\.io/astral-sh/uv:(\d+\.\d+\.\d+)$")
+
+
+def uv_image_version(image: str) -> str | None:
+    """The uv version of ``ghcr.io/astral-sh/uv:X.Y.Z`` (the distroless image: ``/uv`` and ``/uvx`` only); else None.
+
+    Tags with a distribution (``0.8.14-bookworm``) or ``latest`` are not covered.
+    """
+    m = _UV_IMAGE.match(_normalise(image)[0])
+    return m.group(1) if m else None
+
+
+def ensure_uv_image(client: docker.DockerClient, image: str, state_dir: Path) -> tuple[str, str]:
+    """Build the local equivalent of uv's distroless image ``ghcr.io/astral-sh/uv:X.Y.Z`` and tag it so.
+
+    Upstream's image is ``FROM scratch`` with the ``uv`` and ``uvx`` binaries at ``/`` (what
+    ``COPY --from=ghcr.io/astral-sh/uv:X.Y.Z /uv /uvx /bin/`` takes); the same binaries ship in uv's
+    PyPI wheel (``uv-X.Y.Z.data/scripts/``), downloaded here with pip (PyPI is reachable).
+
+    Returns:
+        (``image``, log note).
+
+    Raises:
+        ValueError: ``image`` is not a plain-version uv image.
+        RuntimeError: the wheel could not be downloaded or the image not built (the message says which).
+    """
+    import io
+    import tarfile
+    import zipfile
+
+    import docker.errors
+
+    version = uv_image_version(image)
+    if version is None:
+        raise ValueError(f"{image}: not ghcr.io/astral-sh/uv:X.Y.Z")
+    note = f"{image} -> built FROM scratch with /uv and /uvx from PyPI's uv=={version} wheel"
+    try:
+        if (client.images.get(image).labels or {}).get("agentrl.base.uv") == version:
+            return image, note
+    except docker.errors.ImageNotFound:
+        pass
+    wheels = Path(state_dir) / "bases" / "uv-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    with open(wheels / f"uv-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = sorted(wheels.glob(f"uv-{version}-*manylinux*x86_64*.whl"))
+        if not found:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                "--platform", "manylinux_2_17_x86_64", "-d", str(wheels), f"uv=={version}"],
+                               capture_output=True, text=True)
+            found = sorted(wheels.glob(f"uv-{version}-*manylinux*x86_64*.whl"))
+            if r.returncode != 0 or not found:
+                raise RuntimeError(f"pip download uv=={version} failed (exit {r.returncode}): {r.stderr[-800:]}")
+        buf = io.BytesIO()
+        with zipfile.ZipFile(found[0]) as whl, tarfile.open(fileobj=buf, mode="w") as tar:
+            dockerfile = b'FROM scratch\nCOPY uv uvx /\nENTRYPOINT ["/uv"]\n'
+            files = {"Dockerfile": (dockerfile, 0o644)}
+            for name in ("uv", "uvx"):
+                files[name] = (whl.read(f"uv-{version}.data/scripts/{name}"), 0o755)
+            for name, (data, mode) in files.items():
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), mode
+                tar.addfile(info, io.BytesIO(data))
+        try:
+            client.images.build(fileobj=io.BytesIO(buf.getvalue()), custom_context=True, tag=image, rm=True,
+                                forcerm=True, network_mode="none", labels={"agentrl": "1", "agentrl.base.uv": version})
+        except (docker.errors.BuildError, docker.errors.APIError) as e:
+            raise RuntimeError(f"building {image} from the uv=={version} wheel failed: {e}") from e
+    return image, note

@@ -220,7 +220,7 @@ class DockerBackend:
             docker.errors.BuildError: a ``COPY --from`` image, or a ``FROM`` image with no fallback, has
                 no local equivalent; or building the equivalent failed.
         """
-        from infra.base_images import ensure_local_base, local_base_for
+        from infra.base_images import ensure_local_base, ensure_uv_image, local_base_for, uv_image_version
 
         stages = {m.group(4).split()[-1].lower() for m in _FROM.finditer(dockerfile)
                   if m.group(4).strip().lower().startswith("as ")}
@@ -233,6 +233,12 @@ class DockerBackend:
                 continue
             if image in local and not self._is_local_equivalent(image):
                 continue  # a real image of that name (pulled or built here): used as it is
+            if uv_image_version(image):  # uv's distroless image, from uv's PyPI wheel
+                try:
+                    found[image] = ensure_uv_image(self.client, image, self.state_dir)[1]
+                except (RuntimeError, docker.errors.DockerException) as e:
+                    raise docker.errors.BuildError(f"local equivalent of {image} failed to build: {e}", []) from e
+                continue
             hit = local_base_for(image)
             if hit is None:
                 if where == "FROM" and fallback:
