@@ -49,6 +49,8 @@ _HOST_PATTERNS = (
     r"Failed to fetch https?://([A-Za-z0-9.-]+)/",
     r"unable to access 'https?://([A-Za-z0-9.-]+)/",
     r"getaddrinfo .*?([A-Za-z0-9-]+\.[A-Za-z0-9.-]+)",
+    r"unable to resolve host address [‘'\"]([A-Za-z0-9.-]+)",  # wget
+    r"Resolving ([A-Za-z0-9.-]+) \([^)]*\)\.\.\. failed",  # wget
 )
 _HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
 # Hosts that are reachable here: a message naming one is not an unreachable-host failure.

@@ -12,7 +12,12 @@ APT_OFFLINE = ("Step 2/3 : RUN apt-get update && apt-get install -y curl\n ---> 
 RUN_TESTS = f"Hit:1 http://deb.debian.org/debian bookworm InRelease\n{CURL}\nbash: uv: command not found\n"
 
 
+WGET = ("Resolving training.lczero.org (training.lczero.org)... failed: Temporary failure in name resolution.\n"
+        "wget: unable to resolve host address ‘training.lczero.org’")
+
+
 def test_hosts_named_by_curl_git_requests_are_found_and_reachable_ones_are_not():
+    assert unreachable_hosts(WGET) == ["training.lczero.org"]
     assert unreachable_hosts(f"{CURL}\n{GIT}\n{REQUESTS}\n{CURL}") == ["astral.sh", "github.com", "huggingface.co"]
     assert unreachable_hosts("Failed to fetch http://deb.debian.org/debian/dists/bookworm/InRelease") == []
     assert unreachable_hosts("E: Unable to locate package curl") == []
