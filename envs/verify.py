@@ -1,26 +1,36 @@
 """Verifiers: pure functions of a finished sandbox, returning reward, outcome and reason code.
 
-Terminal tasks: every process the agent left running is killed, then the hidden tests are
-copied to ``/tests`` only after the agent finished (any ``/tests`` the agent made is removed
-first). Commands run in the image's ``WORKDIR`` (the sandbox default), as upstream runs them.
+Terminal tasks: the hidden tests are copied to ``/tests`` only after the agent finished (any
+``/tests`` the agent made is removed first). Commands run in the image's ``WORKDIR`` (the sandbox
+default), as upstream runs them. Before anything else, what the agent changed against the image
+is judged (``envs/tamper.py``, ``check_toolchain``): a shadowed interpreter, test runner, shell or
+loader is ``verifier_tampered``, whatever the tests would say. Every verifier's Python reads and
+writes bytecode under a fresh ``PYTHONPYCACHEPREFIX``, so a planted ``__pycache__`` is never loaded.
 
 - Terminal-Bench with ``run-tests.sh`` (every upstream task): run as the Terminal-Bench harness
   runs it (``terminal_bench/harness/harness.py``, ``_setup_test_env``, ``_run_tests``,
   ``_parse_results``, ``_is_resolved``): ``tests/`` and ``run-tests.sh`` copied into ``/tests``,
   ``bash /tests/run-tests.sh`` with ``TEST_DIR=/tests`` under ``max_test_timeout_sec``, its output
   scored by the task's parser (``envs/parsers.py``); resolved iff every parsed test passed. Its
-  exit status is ignored, as upstream ignores it.
-- Terminal-Bench without ``run-tests.sh``: ``tests/test_outputs.py`` runs with pytest, hardened
-  against an agent that plants configuration (see ``_PYTEST``).
+  exit status is ignored, as upstream ignores it. The agent's processes keep running, as upstream
+  (a server it started is what the tests query); ``/tests`` is compared before and after the run
+  instead (``tamper.hidden_tests_findings``).
+- Terminal-Bench without ``run-tests.sh`` (this project's own format, which stops the agent's
+  processes first): ``tests/test_outputs.py`` runs with pytest, hardened against an agent that
+  plants configuration (see ``_PYTEST``).
 - Harbor: ``tests/test.sh`` runs as Harbor's verifier runs it (``harbor/verifier/verifier.py``,
   ``Verifier.verify``, harbor 0.26): made executable and run directly, with ``[verifier] env``, its
   output to ``/logs/verifier/test-stdout.txt``; the reward file is read from a ``/logs/verifier``
-  emptied just before (an agent cannot pre-write its reward).
+  emptied just before (an agent cannot pre-write its reward). The agent's processes keep running, as
+  in Harbor; ``/tests`` and the reward directory are compared before, at ``test.sh``'s exit and after
+  (``tamper.hidden_tests_findings``, ``tamper.reward_findings``).
 
-Not defended: an agent that, as root in its container, replaces python3, pytest or bash
-themselves; a ``run-tests.sh`` task's tests run as authored, without the hardening (upstream's
-own protection is the same: none). Code tasks: the extracted program, followed by the problem's
-tests, runs with python3 inside the sandbox.
+Not defended (see ``envs/tamper.py`` for the detail): a package the agent built to look like an
+install of pytest; code the tests import from the solution, which runs in the test process; an
+agent process that writes the reward file while ``test.sh`` runs and stops before it exits; a
+``run-tests.sh`` task's tests run as authored, without the pytest hardening (upstream's own
+protection is the same: none). Code tasks: the extracted program, followed by the problem's tests,
+runs with python3 inside the sandbox.
 
 Reason codes (``Verdict.reason``) of the terminal verifiers:
 
@@ -37,15 +47,19 @@ Reason codes (``Verdict.reason``) of the terminal verifiers:
 - ``verifier_error`` (unknown): the hardened run wrote no readable report, or Harbor's reward
   file does not parse.
 - ``no_reward_file`` (unknown, Harbor): ``test.sh`` wrote neither reward file.
+- ``verifier_tampered`` (model_failure, reward 0): the agent changed the verifier's toolchain, or
+  the tests or reward files changed under the verifier (``envs/tamper.py``); the log lists the paths.
 
 Every unknown verdict keeps the verifier's log tail in ``Verdict.log``.
 """
 
 from __future__ import annotations
 
+import uuid
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
+from envs import tamper
 from envs.parsers import ParseError, parse_test_output
 from envs.task import Outcome, Task, TerminalTask, Verdict
 from infra.sandbox.base import Sandbox
@@ -94,15 +108,17 @@ def junit_verdict(report_xml: str, log: str) -> Verdict:
 
 
 def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
-    """Copy the hidden tests in (replacing any ``/tests`` the agent made) and run them, hardened.
+    """Stop the agent's processes, judge its changes, copy the hidden tests in (its ``/tests`` replaced), run them.
 
     Raises:
         SandboxInfraError: the sandbox died while verifying (an infra failure, not a verdict).
     """
-    sandbox.stop_agent_processes()
+    sandbox.stop_agent_processes()  # this format's rule: nothing the agent started runs beside its tests
+    if found := tamper.check_toolchain(sandbox):
+        return tamper.tampered(found)
     sandbox.put_dir(task.tests_dir, "/tests")
     sandbox.put_file(b"[pytest]\n", _INI)
-    result = sandbox.exec(_PYTEST, timeout_s=task.verifier_timeout_s)
+    result = sandbox.exec(_PYTEST, timeout_s=task.verifier_timeout_s, env=_pycache_env())
     log = result.output[-_LOG_CHARS:]
     if result.timed_out:
         return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", log)
@@ -118,6 +134,20 @@ TEST_DIR = "/tests"
 # backend's limit (16 KiB, the head), and pytest's summary is at the end. Not under /tmp (a tmpfs
 # the archive API cannot read), not under /tests (a script may collect everything there).
 _RUN_TESTS_LOG = "/agentrl-run-tests.log"
+
+
+def _pycache_env() -> dict[str, str]:
+    """``PYTHONPYCACHEPREFIX`` at a fresh path: the verifier's Python never loads a planted bytecode file."""
+    return {tamper.PYCACHE_ENV: f"/tmp/.agentrl-pycache-{uuid.uuid4().hex[:12]}"}
+
+
+def _manifest(sandbox: Sandbox, roots: list[str]) -> tamper.Manifest | None:
+    """The manifest of ``roots`` (None when the sandbox wrote none, e.g. an in-memory one)."""
+    out = f"/.agentrl-manifest-{uuid.uuid4().hex[:12]}"
+    sandbox.exec(tamper.manifest_command(roots, out), timeout_s=30, workdir="/")
+    raw = sandbox.get_file(out)
+    sandbox.exec(f"rm -f {out}", timeout_s=10, workdir="/")
+    return tamper.parse_manifest(raw.decode("utf-8", "replace")) if raw is not None else None
 
 
 def parsed_verdict(parser_name: str, output: str) -> Verdict:
@@ -145,25 +175,36 @@ def parsed_verdict(parser_name: str, output: str) -> Verdict:
 def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
     """Run a Terminal-Bench task's ``run-tests.sh`` as the upstream harness does and parse its output.
 
+    The agent's changes are judged first (``tamper.check_toolchain``); its processes keep running.
     ``/tests`` is emptied, then gets ``tests/`` (when the task has it) and ``run-tests.sh``;
     ``bash /tests/run-tests.sh`` runs in the image's WORKDIR with ``TEST_DIR=/tests`` for at most
     the task's ``max_test_timeout_sec``. Upstream runs it in a fresh tmux session (unless
-    ``run_tests_in_same_shell``) and parses the pane; here it is one exec and its output.
+    ``run_tests_in_same_shell``) and parses the pane; here it is one exec and its output. ``/tests``
+    changed under the run (``tamper.hidden_tests_findings``) is ``verifier_tampered``.
 
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
     if task.run_tests is None:
         raise ValueError(f"{task.task_id}: has no run-tests.sh (its verifier is verify_terminal)")
-    sandbox.stop_agent_processes()
+    if found := tamper.check_toolchain(sandbox):
+        return tamper.tampered(found)
     sandbox.exec(f"rm -rf {TEST_DIR} {_RUN_TESTS_LOG} && mkdir -p {TEST_DIR}", timeout_s=10, workdir="/")
     if task.tests_dir.is_dir():
         sandbox.put_dir(task.tests_dir, TEST_DIR)
     sandbox.put_file(task.run_tests.encode(), f"{TEST_DIR}/run-tests.sh")
+    before = _manifest(sandbox, [TEST_DIR])
+    planted = tamper.content_findings(sandbox, tamper.expected_files(
+        TEST_DIR, task.tests_dir, {f"{TEST_DIR}/run-tests.sh": task.run_tests.encode()}), TEST_DIR)
     result = sandbox.exec(f"bash {TEST_DIR}/run-tests.sh > {_RUN_TESTS_LOG} 2>&1",
-                          timeout_s=task.verifier_timeout_s, env={"TEST_DIR": TEST_DIR})
+                          timeout_s=task.verifier_timeout_s, env={"TEST_DIR": TEST_DIR, **_pycache_env()})
+    after = _manifest(sandbox, [TEST_DIR])
     written = sandbox.get_file(_RUN_TESTS_LOG)
     output = written.decode("utf-8", "replace") if written is not None else result.output
+    if before is not None and after is not None:
+        found = planted + tamper.hidden_tests_findings(before, after, TEST_DIR)
+        if found:
+            return tamper.tampered(found, output[-_LOG_CHARS:])
     if result.timed_out:
         return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", output[-_LOG_CHARS:])
     return parsed_verdict(task.parser_name, output)
@@ -171,9 +212,13 @@ def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
 
 _REWARD_DIR = "/logs/verifier"
 _TEST_STDOUT = f"{_REWARD_DIR}/test-stdout.txt"
-# Harbor's verifier: ``chmod +x`` then ``(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1``
-# (harbor/utils/scripts.py, build_execution_command).
-HARBOR_TEST_COMMAND = f"chmod +x {TEST_DIR}/test.sh && ({TEST_DIR}/test.sh) > {_TEST_STDOUT} 2>&1"
+_REWARD_FILES = (f"{_REWARD_DIR}/reward.txt", f"{_REWARD_DIR}/reward.json")
+# Harbor's verifier: ``chmod +x`` (done before, with the reward dir: a chmod moves the file's ctime, which
+# the tamper check compares) then ``(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1``
+# (harbor/utils/scripts.py, build_execution_command); then, in the same command, the reward dir's manifest
+# as test.sh left it, to this command's output.
+HARBOR_TEST_COMMAND = (f"({TEST_DIR}/test.sh) > {_TEST_STDOUT} 2>&1; "
+                       + tamper.manifest_command([_REWARD_DIR], "/dev/stdout"))
 
 
 def parse_reward(reward_txt: bytes | None, reward_json: bytes | None) -> float | None:
@@ -205,25 +250,42 @@ def parse_reward(reward_txt: bytes | None, reward_json: bytes | None) -> float |
 def verify_harbor(sandbox: Sandbox, task: HarborTask) -> Verdict:
     """Run a Harbor task's ``tests/test.sh`` as Harbor's verifier does and read the reward it wrote.
 
+    The agent's changes are judged first (``tamper.check_toolchain``); its processes keep running.
     ``/tests`` gets ``tests/``; ``/logs/verifier`` is emptied; ``test.sh`` runs directly (its
     shebang decides the interpreter) in the image's WORKDIR with ``[verifier] env``, output to
     ``/logs/verifier/test-stdout.txt``. Reward 1 is ``success``; below 1 is ``model_failure``
     (reason ``tests_failed``, reward kept); no reward file or an unparsable one is ``unknown``;
-    ``test.sh`` past its timeout is ``unknown`` (``verifier_timeout``).
+    ``test.sh`` past its timeout is ``unknown`` (``verifier_timeout``). ``/tests`` or the reward
+    directory changed under the verifier (``tamper.hidden_tests_findings``, ``tamper.reward_findings``) is
+    ``verifier_tampered``.
 
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
-    sandbox.stop_agent_processes()
+    if found := tamper.check_toolchain(sandbox):
+        return tamper.tampered(found)
     sandbox.put_dir(task.tests_dir, TEST_DIR)
-    sandbox.exec(f"rm -rf {_REWARD_DIR} && mkdir -p {_REWARD_DIR} /logs/agent", timeout_s=10, workdir="/")
-    result = sandbox.exec(HARBOR_TEST_COMMAND, timeout_s=task.verifier_timeout_s, env=dict(task.verifier_env) or None)
+    sandbox.exec(f"rm -rf {_REWARD_DIR} && mkdir -p {_REWARD_DIR} /logs/agent && chmod +x {TEST_DIR}/test.sh",
+                 timeout_s=10, workdir="/")
+    created = _manifest(sandbox, [TEST_DIR, _REWARD_DIR])
+    planted = tamper.content_findings(sandbox, tamper.expected_files(TEST_DIR, task.tests_dir), TEST_DIR)
+    result = sandbox.exec(HARBOR_TEST_COMMAND, timeout_s=task.verifier_timeout_s,
+                          env={**dict(task.verifier_env), **_pycache_env()})
+    at_exit = tamper.parse_manifest(result.output) if not result.timed_out else None
     written = sandbox.get_file(_TEST_STDOUT)
     log = (written.decode("utf-8", "replace") if written is not None else result.output)[-_LOG_CHARS:]
-    if result.timed_out:
-        return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", log)
     raw_json = sandbox.get_file(f"{_REWARD_DIR}/reward.json")
     txt = sandbox.get_file(f"{_REWARD_DIR}/reward.txt") if raw_json is None else None
+    later = _manifest(sandbox, [TEST_DIR, _REWARD_DIR])
+    if created is not None and later is not None:
+        found = planted + tamper.hidden_tests_findings(_under(created, TEST_DIR), _under(later, TEST_DIR), TEST_DIR)
+        if at_exit is not None:
+            found += tamper.reward_findings(_under(created, _REWARD_DIR), at_exit, _under(later, _REWARD_DIR),
+                                            _REWARD_DIR, _REWARD_FILES)
+        if found:
+            return tamper.tampered(found, log)
+    if result.timed_out:
+        return Verdict(0.0, Outcome.UNKNOWN, "verifier_timeout", log)
     reward = parse_reward(txt, raw_json)
     if reward is None:
         reason = "no_reward_file" if txt is None and raw_json is None else "verifier_error"
@@ -231,6 +293,10 @@ def verify_harbor(sandbox: Sandbox, task: HarborTask) -> Verdict:
     if reward >= 1.0:
         return Verdict(reward, Outcome.SUCCESS, "tests_passed", log)
     return Verdict(reward, Outcome.MODEL_FAILURE, "tests_failed", log)
+
+
+def _under(m: tamper.Manifest, root: str) -> tamper.Manifest:
+    return {p: v for p, v in m.items() if p == root or p.startswith(root + "/")}
 
 
 def verify_code(sandbox: Sandbox, task: Task, program: str) -> Verdict:
