@@ -142,12 +142,13 @@ def _pycache_env() -> dict[str, str]:
 
 
 def _manifest(sandbox: Sandbox, roots: list[str]) -> tamper.Manifest | None:
-    """The manifest of ``roots`` (None when the sandbox wrote none, e.g. an in-memory one)."""
+    """The manifest of ``roots`` (None when the sandbox wrote none: an in-memory one, an image without GNU find)."""
     out = f"/.agentrl-manifest-{uuid.uuid4().hex[:12]}"
     sandbox.exec(tamper.manifest_command(roots, out), timeout_s=30, workdir="/")
     raw = sandbox.get_file(out)
     sandbox.exec(f"rm -f {out}", timeout_s=10, workdir="/")
-    return tamper.parse_manifest(raw.decode("utf-8", "replace")) if raw is not None else None
+    # empty: no GNU find (-printf) in the image; the roots themselves always print otherwise
+    return tamper.parse_manifest(raw.decode("utf-8", "replace")) or None if raw is not None else None
 
 
 def parsed_verdict(parser_name: str, output: str) -> Verdict:
@@ -271,7 +272,7 @@ def verify_harbor(sandbox: Sandbox, task: HarborTask) -> Verdict:
     planted = tamper.content_findings(sandbox, tamper.expected_files(TEST_DIR, task.tests_dir), TEST_DIR)
     result = sandbox.exec(HARBOR_TEST_COMMAND, timeout_s=task.verifier_timeout_s,
                           env={**dict(task.verifier_env), **_pycache_env()})
-    at_exit = tamper.parse_manifest(result.output) if not result.timed_out else None
+    at_exit = (tamper.parse_manifest(result.output) or None) if not result.timed_out else None
     written = sandbox.get_file(_TEST_STDOUT)
     log = (written.decode("utf-8", "replace") if written is not None else result.output)[-_LOG_CHARS:]
     raw_json = sandbox.get_file(f"{_REWARD_DIR}/reward.json")
