@@ -80,11 +80,11 @@ def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool
             try:
                 entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"},
                                               max_parallel_builds=1, build_network=build_network)
-            except Exception as err:  # noqa: BLE001 - the engine went away mid-task: recorded, the corpus goes on
+            except Exception as exc:  # noqa: BLE001 - the engine went away mid-task: recorded, the corpus goes on
                 backend.wait_engine(120)
-                print(f"{'infra':>26}  {task.task_id}  {type(err).__name__}: {err}", flush=True)
+                print(f"{'infra':>26}  {task.task_id}  {type(exc).__name__}: {exc}", flush=True)
                 return {"source": root.name, "task_id": task.task_id, "usable": False, "cause": "infra",
-                        "fix": "the engine failed during this task; run it again", "reason": str(err)[:500],
+                        "fix": "the engine failed during this task; run it again", "reason": str(exc)[:500],
                         "seconds": round(time.perf_counter() - t0, 1)}
             e: EnvEntry = entries[0]
             if not keep_images and e.image and e.image != BASE_IMAGE:
