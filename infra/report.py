@@ -37,11 +37,11 @@ def attention(s: dict) -> list[str]:
 
     One markdown line per finding, in this order: the step could not learn (``optimizer_step`` false
     or ``rows_with_signal`` 0, in :func:`~infra.summary.learning_verdict`'s words); infra failures
-    among the batch's rows (``outcomes['infra_failure']`` or ``infra_reasons``); a refused checkpoint
-    (``checkpoint_refused``); groups the async collector dropped stale or after infra failures
-    (``groups_dropped`` less ``groups_skipped_zero_variance``: dynamic sampling skipping zero-variance
-    groups is its design, named only beside other drops); rows dropped for divergence
-    (``rows_dropped_divergence``).
+    among the batch's rows (``outcomes['infra_failure']`` or ``infra_reasons``); rows whose verifier
+    was tampered with (``verifier_tampered``); a refused checkpoint (``checkpoint_refused``); groups
+    the async collector dropped stale or after infra failures (``groups_dropped`` less
+    ``groups_skipped_zero_variance``: dynamic sampling skipping zero-variance groups is its design,
+    named only beside other drops); rows dropped for divergence (``rows_dropped_divergence``).
     """
     out = []
     if not s["optimizer_step"]:
@@ -54,6 +54,9 @@ def attention(s: dict) -> list[str]:
         why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "no reason recorded"
         out.append(f"infra failures: {failed} of {s['rows']} rows ({why}), never trained on; "
                    f"{s.get('retried', 0)} rows are retry attempts")
+    if s.get("verifier_tampered"):
+        out.append(f"verifier tampered with: {s['verifier_tampered']} of {s['rows']} rows (reason `verifier_tampered`: "
+                   "the agent changed the verifier's toolchain, tests or reward; scored 0, see the episodes)")
     if s.get("checkpoint_refused"):
         out.append(f"checkpoint refused: {s['checkpoint_refused']}; `{s['checkpoint']}` was not loaded, the "
                    f"engine still serves version {s['policy_version']} (eval skipped)")

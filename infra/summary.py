@@ -59,6 +59,9 @@ class RolloutStats:
     stage_s: float = 0.0
     completion_tokens_mean: float = 0.0
     turns_mean: float = 0.0
+    verifier_tampered: int = 0
+    """Rows whose verification found the agent had tampered with the verifier (``envs.tamper``): model
+    failures with reward 0."""
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:
@@ -134,6 +137,7 @@ class StepSummary:
             "step": self.step, "time_to_batch_s": round(b.time_to_batch_s, 2), "reward_mean": round(b.reward_mean, 4),
             "completion_tokens_mean": round(b.completion_tokens_mean, 2), "turns_mean": round(b.turns_mean, 2),
             "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
+            "verifier_tampered": b.verifier_tampered,
             "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
             **{k: m[k] for k in ("logprob_abs_diff", "kl_k1", "kl_k3", "ratio_p05", "ratio_p95", "tis_capped_frac",
@@ -204,6 +208,8 @@ def format_summary(s: dict) -> str:
     infra = " ".join(f"{k}={v}" for k, v in sorted(s.get("infra_reasons", {}).items()))
     if infra:
         outcomes += f" infra_reasons({infra}) retried={s.get('retried', 0)}"
+    if s.get("verifier_tampered"):
+        outcomes += f" tampered={s['verifier_tampered']}"
     pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
     if s.get("eval_delta"):
         pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"

@@ -86,7 +86,8 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
         max_policy_version=max((row["max_policy_version"] for row in rows), default=-1),
         collected_at=time.time(), scheduling=scheduling,
         completion_tokens_mean=sum(row["completion_tokens"] for row in finished) / max(len(finished), 1),
-        turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1))
+        turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1),
+        verifier_tampered=sum(row["reason"] == "verifier_tampered" for row in rows))
 
 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,

@@ -17,6 +17,7 @@ def _summary(step: int, **kw) -> dict:
     """A stored summary as ``StepSummary.to_json`` writes it after a JSON round trip (async collector)."""
     s = {"step": step, "time_to_batch_s": 10.0 + step, "reward_mean": 0.1 * step, "completion_tokens_mean": 40.0 + step,
          "turns_mean": 2.5, "outcomes": {"success": step, "model_failure": 8 - step}, "infra_reasons": {}, "retried": 0,
+         "verifier_tampered": 0,
          "sandbox_warm": 8, "sandbox_acquire_p50_s": 0.1, "rows": 8, "rollouts_reused": False, "policy_lag_max": 1.0,
          "logprob_abs_diff": 3e-6, "kl_k1": -2e-7, "kl_k3": 1e-9, "ratio_p05": 0.99, "ratio_p95": 1.01,
          "tis_capped_frac": 0.0, "tis_masked_frac": 0.001, "rows_with_signal": 4.0, "optimizer_step": 1.0,
@@ -64,6 +65,12 @@ def test_infra_failures_with_their_reasons():
                             "2 rows are retry attempts"]
     assert attention(_summary(1, infra_reasons={"sandbox_lost": 1})) == [
         "infra failures: 0 of 8 rows (sandbox_lost 1), never trained on; 0 rows are retry attempts"]
+
+
+def test_tampered_verifier_rows_are_named():
+    s = _summary(1, verifier_tampered=2)
+    assert attention(s) == ["verifier tampered with: 2 of 8 rows (reason `verifier_tampered`: the agent changed the "
+                            "verifier's toolchain, tests or reward; scored 0, see the episodes)"]
 
 
 def test_refused_checkpoint():
