@@ -38,7 +38,11 @@ class EpisodeIO(Protocol):
         """One model turn on the transcript; returns its text (None: the episode ended)."""
 
     def execute(self, command: str) -> ExecResult | None:
-        """Run ``command`` in the sandbox with the task's per-command deadline (None: the episode ended)."""
+        """Run ``command`` in the sandbox's persistent shell with the task's per-command deadline.
+
+        The shell is the episode's own (``Sandbox.run_in_shell``): ``cd``, variables and jobs persist
+        across commands. None: the episode ended.
+        """
 
     def observe(self, text: str) -> None:
         """Append ``text`` as the next user turn."""

@@ -162,9 +162,9 @@ class TerminalTask(Task):
         return self.build_context, self.dockerfile
 
     def replay(self, sandbox: Sandbox, commands: list[str]) -> Verdict:
-        """Each command in order, with the per-command deadline, then the task's verifier."""
+        """Each command in order in the sandbox's persistent shell (as the episode ran them), then the verifier."""
         for command in commands:
-            sandbox.exec(command, timeout_s=self.command_timeout_s)
+            sandbox.run_in_shell(command, timeout_s=self.command_timeout_s)
         return self.verify(sandbox, "")
 
     def run_solution(self, sandbox: Sandbox) -> ExecResult:

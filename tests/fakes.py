@@ -4,8 +4,9 @@
   (reply text -> ids, EOS appended on ``stop``, truncated at ``max_tokens`` like vLLM), stamps the
   ``policy_version`` it serves at the call (set it to simulate a weight update), and records what
   it was asked (:class:`Received`).
-- :class:`InMemoryBackend` starts :class:`InMemorySandbox` es whose ``exec`` answers from a callable
-  ``exec_fn(box, command)`` (see :func:`scripted`); files live in a dict; starts and closes are counted.
+- :class:`InMemoryBackend` starts :class:`InMemorySandbox` es whose ``exec`` and ``run_in_shell``
+  answer from a callable ``exec_fn(box, command)`` (see :func:`scripted`), each recorded in order
+  (``execs``; the shell's also in ``shell``); files live in a dict; starts and closes are counted.
 - :class:`ManualClock`: monotonic time advanced by hand (``AsyncCollector(clock=...)``).
 
 Only what the collector uses of each interface is implemented.
@@ -165,6 +166,10 @@ def scripted(answers: Sequence[Answer]) -> Callable[[InMemorySandbox, str], Answ
     return exec_fn
 
 
+SHELL = "<shell>"
+"""The workdir :class:`InMemorySandbox` records for a ``run_in_shell`` command in ``execs``."""
+
+
 def junit_report(tests: int, failures: int = 0, skipped: int = 0) -> bytes:
     """A pytest JUnit XML report with these counts."""
     return (f'<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
@@ -175,7 +180,9 @@ def junit_report(tests: int, failures: int = 0, skipped: int = 0) -> bytes:
 class InMemorySandbox:
     """A sandbox whose commands are answered by ``exec_fn(box, command)`` and whose files are a dict.
 
-    ``exec`` after ``close`` raises ``SandboxInfraError("container_vanished")``, like a removed container.
+    ``exec`` and ``run_in_shell`` after ``close`` raise ``SandboxInfraError("container_vanished")``, like a
+    removed container. Both are recorded in ``execs`` (a shell command with workdir :data:`SHELL`), the
+    shell's also in ``shell`` as ``(command, timeout_s)``; the fake keeps no shell state of its own.
     """
 
     sandbox_id: str
@@ -187,6 +194,7 @@ class InMemorySandbox:
     files: dict[str, bytes] = field(default_factory=dict)
     workdir: str = "/app"
     execs: list[tuple[str, float, str]] = field(default_factory=list)  # (command, timeout_s, workdir)
+    shell: list[tuple[str, float]] = field(default_factory=list)  # run_in_shell's (command, timeout_s)
     stop_calls: int = 0
     closed: bool = False
 
@@ -196,6 +204,9 @@ class InMemorySandbox:
         if self.closed:
             raise SandboxInfraError("container_vanished", f"{self.sandbox_id} was removed")
         self.execs.append((command, timeout_s, workdir))
+        return self._answer(command)
+
+    def _answer(self, command: str) -> ExecResult:
         answer = self.exec_fn(self, command)
         if isinstance(answer, BaseException):
             raise answer
@@ -203,6 +214,14 @@ class InMemorySandbox:
             return answer
         exit_code, output, duration_s, timed_out = answer
         return ExecResult(exit_code, output, timed_out, duration_s)
+
+    def run_in_shell(self, command: str, timeout_s: float) -> ExecResult:
+        """Answer ``command`` from ``exec_fn``, recorded in ``shell`` and in ``execs`` (workdir :data:`SHELL`)."""
+        if self.closed:
+            raise SandboxInfraError("container_vanished", f"{self.sandbox_id} was removed")
+        self.shell.append((command, timeout_s))
+        self.execs.append((command, timeout_s, SHELL))
+        return self._answer(command)
 
     def stop_agent_processes(self) -> int:
         """Count the call; no processes to kill."""

@@ -8,8 +8,11 @@ default the bash-fence agent) asks for turns through the runner, which records e
 with its logprob and policy version; terminal tasks act in their sandbox over turns, code tasks
 answer once and are verified in a fresh sandbox.
 
-The agent's budget is counted in turns and in the time its own commands took (``tool_s``), not
-in wall clock shared with other episodes' generation, so a slow batch never costs the model.
+The agent's commands run in its sandbox's persistent shell (``Sandbox.run_in_shell``: one tmux
+session per sandbox, so per episode; ``cd``, variables and jobs persist across turns, as in
+Terminal-Bench); verification and the runner's own checks use ``exec``. The agent's budget is
+counted in turns and in the time its own commands took (``tool_s``), not in wall clock shared with
+other episodes' generation, so a slow batch never costs the model.
 
 Sandboxes: with a :class:`~infra.sandbox.pool.WarmPool`, the batch's demand per image is declared
 up front, so sandboxes come warm from the pool.
@@ -169,7 +172,7 @@ class _EpisodeIO:
         e.commands.append(command)
         assert e.sandbox is not None, "a terminal episode acts in its sandbox"
         try:
-            result = e.sandbox.exec(command, timeout_s=e.task.command_timeout_s)
+            result = e.sandbox.run_in_shell(command, timeout_s=e.task.command_timeout_s)
         except SandboxInfraError as err:
             Collector._sandbox_failed(e, err)
             return None
@@ -385,7 +388,8 @@ def replay_episode(row: dict, task: Task, backend: SandboxBackend, code_image: s
     """Re-run a stored episode's commands against the same image and verify it again.
 
     Terminal tasks: each stored command runs in order, with the task's per-command deadline, in
-    a fresh sandbox started from the stored image digest; then the task's verifier runs. Code
+    the persistent shell of a fresh sandbox started from the stored image digest (as the episode
+    ran them); then the task's verifier runs. Code
     tasks: the stored program is verified in ``code_image``.
 
     Args:

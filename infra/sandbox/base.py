@@ -18,7 +18,8 @@ class SandboxInfraError(RuntimeError):
 
     Attributes:
         reason: a short reason code (``sandbox_start_failed``, ``container_vanished``,
-            ``docker_api_error``, ``engine_unreachable``).
+            ``docker_api_error``, ``engine_unreachable``, ``shell_failed``: the persistent shell's
+            driver reported nothing).
     """
 
     def __init__(self, reason: str, message: str):
@@ -31,7 +32,7 @@ class ExecResult:
     """What one command did.
 
     Attributes:
-        exit_code: the command's exit status (137 when killed at its deadline).
+        exit_code: the command's exit status (137 when killed, or interrupted, at its deadline).
         output: stdout and stderr, decoded, possibly truncated to the backend's limit.
         timed_out: the command hit its per-command deadline (enforced inside the container).
         duration_s: wall-clock seconds the exec took.
@@ -55,6 +56,19 @@ class Sandbox(Protocol):
         """Run a shell command with a deadline enforced inside the sandbox.
 
         It runs in ``workdir`` (default: the image's ``WORKDIR``), with ``env`` added to the environment.
+        """
+        ...
+
+    def run_in_shell(self, command: str, timeout_s: float) -> ExecResult:
+        """Run the agent's ``command`` in the sandbox's persistent shell, with a deadline.
+
+        One shell per sandbox (so per episode), started in :attr:`workdir` on first use: what a
+        command does to the shell (``cd``, ``export``, ``source``, functions, jobs started with ``&``)
+        persists to the next. Output is stdout and stderr merged, truncated as :meth:`exec`'s; stdin
+        is the terminal (a command reading it waits until its deadline). At the deadline the command
+        is interrupted (``C-c``) and reported ``timed_out`` with exit 137, and the shell stays usable;
+        a command that ends the shell (``exit``) reports its status, and the next one runs in a new
+        shell, which its output says. Backends without a persistent shell run it as :meth:`exec`.
         """
         ...
 

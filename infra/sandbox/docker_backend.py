@@ -17,6 +17,10 @@ says which.
 
 Per-command deadlines are enforced inside the container with ``timeout -s KILL`` so that a
 command hitting its deadline (exit 137) is told apart from a client-side socket timeout.
+
+The agent's own commands run in one persistent tmux shell per sandbox (``run_in_shell``, see
+``infra.sandbox.shell``: state persists across commands, as in Terminal-Bench); everything else
+(verification, file copies, the runner's checks) runs with ``exec``, each in a fresh ``bash -c``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import io
+import logging
 import os
 import re
 import socket
@@ -36,8 +41,11 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from infra.sandbox import shell
 from infra.sandbox.base import ExecResult, SandboxInfraError
 from infra.task_faults import strip_ansi
+
+log = logging.getLogger(__name__)
 
 LABEL = "agentrl"
 INTERNET_NETWORK = "agentrl-internet"  # infra.services creates it: NAT to the outside, the host's ports dropped
@@ -48,6 +56,7 @@ OUTPUT_LIMIT_BYTES = 16_384
 _EXEC_DIR = "/.agentrl-exec"
 _EXEC_WRAPPER = (f'mkdir -p {_EXEC_DIR} && rm -f {_EXEC_DIR}/*.out; '
                  f'timeout -s KILL "$0" bash -c "$1" > "{_EXEC_DIR}/$2" 2>&1')
+_NO_TMUX_WARNED: set[str] = set()  # images already logged as having no tmux (run_in_shell falls back to exec)
 # Files of a Terminal-Bench task folder that never enter the image build context.
 _HIDDEN = ("tests", "solution.sh", "solution.yaml", "task.yaml", "run-tests.sh")
 
@@ -431,6 +440,8 @@ class DockerSandbox:
         self.sandbox_id = container.short_id
         self._keep_pids: tuple[int, ...] | None = None
         self.workdir = "/"  # the image's WORKDIR, set by ``DockerBackend.start``
+        self._shell_started = False  # run_in_shell has had a session (a later new one is reported)
+        self._no_tmux = False  # the image has no tmux: run_in_shell is exec
 
     def alive(self) -> bool:
         """The container is still running (one inspect).
@@ -504,24 +515,11 @@ class DockerSandbox:
             SandboxInfraError: the container is gone or the engine failed.
         """
         start = time.monotonic()
-        api = self._container.client.api
         self._execs += 1
         name = f"{self._execs}.out"
         argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
-        exec_id = self._api("exec", api.exec_create, self._container.id, argv, workdir=workdir or self.workdir,
-                            environment=env or None)["Id"]
-        self._api("exec", api.exec_start, exec_id, detach=True)
-        # Poll with short API calls: the command's deadline is enforced inside the container, so a
-        # client whose socket timeout is shorter than the command never turns it into an error.
-        poll_s = 0.01
-        while (info := self._api("exec", api.exec_inspect, exec_id))["Running"]:
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, 0.1)
+        exit_code = self._run_detached(argv, workdir or self.workdir, env)
         duration_s = time.monotonic() - start
-        exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
-        # A SIGKILL (137) or no exit code may mean the container itself is gone: one inspect decides.
-        if exit_code in (137, -1) and not self.alive():
-            raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
         raw = self._api("read output", self._container.exec_run,
                         ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
         output = strip_ansi(raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace"))  # as a terminal shows it
@@ -531,6 +529,68 @@ class DockerSandbox:
         # itself is no longer running, which is an infra failure.
         timed_out = exit_code == 137 and duration_s >= timeout_s
         return ExecResult(exit_code, output, timed_out, duration_s)
+
+    def _run_detached(self, argv: list[str], workdir: str, env: dict[str, str] | None = None) -> int:
+        """Run ``argv`` detached and poll until it ends; returns its exit code.
+
+        Raises:
+            SandboxInfraError: the container is gone (a 137 or missing exit code with the container
+                stopped) or the engine failed.
+        """
+        api = self._container.client.api
+        exec_id = self._api("exec", api.exec_create, self._container.id, argv, workdir=workdir,
+                            environment=env or None)["Id"]
+        self._api("exec", api.exec_start, exec_id, detach=True)
+        # Poll with short API calls: the command's deadline is enforced inside the container, so a
+        # client whose socket timeout is shorter than the command never turns it into an error.
+        poll_s = 0.01
+        while (info := self._api("exec", api.exec_inspect, exec_id))["Running"]:
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.1)
+        exit_code = int(info["ExitCode"]) if info.get("ExitCode") is not None else -1
+        # A SIGKILL (137) or no exit code may mean the container itself is gone: one inspect decides.
+        if exit_code in (137, -1) and not self.alive():
+            raise SandboxInfraError(self._stopped_reason(), f"{self.sandbox_id} stopped during exec")
+        return exit_code
+
+    def run_in_shell(self, command: str, timeout_s: float) -> ExecResult:
+        """Run ``command`` in the sandbox's persistent shell (``infra.sandbox.shell``); output truncated to 16 KiB.
+
+        The tmux session is started in the image's WORKDIR on first use; ``cd``, variables, an
+        activated venv and background jobs persist to the next call. At the deadline the command gets
+        ``C-c`` and is reported timed out (exit 137); a shell that ended gets a new session next time,
+        which that command's output says. An image without tmux falls back to :meth:`exec` (logged
+        once per image).
+
+        Raises:
+            SandboxInfraError: the container is gone or the engine failed; ``shell_failed`` when the
+                shell's driver reported nothing (its errors are in the message).
+        """
+        if self._no_tmux:
+            return self.exec(command, timeout_s)
+        start = time.monotonic()
+        self._execs += 1
+        n, folder = self._execs, f"{_EXEC_DIR}/sh"
+        exit_code = self._run_detached(shell.driver_argv(n, command, timeout_s, self.workdir, folder), self.workdir)
+        duration_s = time.monotonic() - start
+        raw = self._api("read output", self._container.exec_run,
+                        shell.read_argv(n, folder, OUTPUT_LIMIT_BYTES)).output or b""
+        text = strip_ansi(raw.decode("utf-8", "replace"))
+        try:
+            result = shell.parse_result(text, duration_s, timeout_s, self.workdir, self._shell_started)
+        except ValueError as e:
+            raise SandboxInfraError("shell_failed", f"{self.sandbox_id}: the shell driver exited {exit_code}: "
+                                                    f"{text.strip()[-500:]}") from e
+        if result is None:
+            self._no_tmux = True
+            image = (self._container.attrs.get("Config") or {}).get("Image", "?")
+            if image not in _NO_TMUX_WARNED:
+                _NO_TMUX_WARNED.add(image)
+                log.warning("image %s has no tmux: the agent's commands run with plain exec, each in a fresh "
+                            "shell (cd, variables and jobs do not persist)", image)
+            return self.exec(command, timeout_s)
+        self._shell_started = True
+        return result
 
     def changes(self) -> list[tuple[str, str]]:
         """What the container changed against its image (``docker diff``), tmpfs mounts left out.

@@ -5,7 +5,8 @@ ready (a warm acquire: one liveness check), else starts one (a cold acquire: con
 start and the first exec). After every acquire the pool tops itself back up to the demand last
 declared for that image (``ensure``), in background threads bounded by ``max_parallel_starts``,
 so the next episode finds a container ready. A warm container is used by one episode only: it is
-never returned to the pool.
+never returned to the pool. Its persistent shell (``run_in_shell``) is started lazily by the first
+agent command, so it is the episode's own: never started ahead, never shared with another episode.
 
 Snapshots: for a task whose environment needs an expensive set-up command at run time,
 ``snapshot(image, setup_command)`` runs it once in a sandbox and commits the result

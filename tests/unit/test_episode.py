@@ -19,12 +19,12 @@ from envs.humaneval import CodeTask
 from envs.task import Task
 from envs.terminal_bench import TerminalBenchTask
 from envs.verify import HARBOR_TEST_COMMAND
-from infra.rollout.collector import Collector, CollectSettings
+from infra.rollout.collector import Collector, CollectSettings, replay_episode
 from infra.rollout.scheduler import EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import SandboxInfraError
 from infra.store import validate_rows
-from tests.fakes import InMemoryBackend, InMemorySandbox, Reply, ScriptedEngine, junit_report
+from tests.fakes import SHELL, InMemoryBackend, InMemorySandbox, Reply, ScriptedEngine, junit_report, per_episode
 
 CODE_IMAGE = "agentrl-base:bookworm"
 IMAGE, DIGEST = "agentrl-task/hello:abc123", "sha256:feedface"
@@ -338,6 +338,49 @@ def test_logprobs_from_the_script_are_stored_as_given(rig, tmp_path, tiny_tokeni
     r = rig([Reply(DONE, logprobs=lps)])
     row = r.run(terminal_task(tmp_path))
     assert [lp for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True) if m] == list(lps)
+
+
+# -- the persistent shell --------------------------------------------------------------------
+@pytest.mark.parametrize("verifier", ["pytest", "harbor"])
+def test_agent_commands_run_in_the_persistent_shell_and_verification_with_exec(rig, tmp_path, verifier):
+    r = rig([LS, HELLO, "```bash\nsleep 100\n```", DONE])
+    row = r.run(terminal_task(tmp_path, verifier=verifier))
+    [box] = r.sandboxes.sandboxes
+    # every agent command, in order, with the task's per-command deadline (10 s); nothing else in the shell
+    assert box.shell == [("ls /app", 10.0), ("echo hello > /app/hello.txt", 10.0), ("sleep 100", 10.0)]
+    assert row["commands"] == [c for c, _ in box.shell]
+    verification = box.execs[len(box.shell):]
+    assert verification and all(workdir != SHELL for _, _, workdir in verification)
+    # tool time as before: the shell's durations 0.25 + 0.5 + 10.0 (world)
+    assert row["tool_s"] == pytest.approx(10.75)
+    assert (row["outcome"], row["reward"]) == ("success", 1.0)
+
+
+def test_a_code_task_never_uses_the_shell(rig):
+    task = CodeTask(task_id="humaneval/add", instruction="Complete add.", prompt="def add(a, b):\n",
+                    test_program="def check(f):\n    assert f(1, 2) == 3\n\ncheck(add)\n", entry_point="add")
+    r = rig(["```python\n    return a + b\n```"])
+    assert r.run(task)["outcome"] == "success"
+    [box] = r.sandboxes.sandboxes
+    assert box.shell == [] and box.execs
+
+
+def test_a_replay_runs_the_stored_commands_in_the_shell(rig, tmp_path):
+    r = rig([HELLO, DONE])
+    task = terminal_task(tmp_path)
+    row = r.run(task)
+    verdict, reproduced = replay_episode(row, task, r.sandboxes, CODE_IMAGE)
+    assert reproduced and verdict.reward == 1.0
+    replayed = r.sandboxes.by_label("agentrl.replay", row["episode_id"])
+    assert [b.shell for b in replayed] == [[("echo hello > /app/hello.txt", 10.0)]]
+    assert replayed[0].image == DIGEST and replayed[0].closed
+
+
+def test_each_episode_gets_its_own_sandbox_and_so_its_own_shell(rig, tmp_path):
+    r = rig(per_episode([[LS, DONE], [LS, DONE]]), group_size=2)
+    rows = r.collect([terminal_task(tmp_path)])
+    assert len(rows) == 2 and len({row["sandbox_id"] for row in rows}) == 2
+    assert [b.shell for b in r.sandboxes.sandboxes] == [[("ls /app", 10.0)]] * 2
 
 
 # -- verifiers and task kinds ----------------------------------------------------------------

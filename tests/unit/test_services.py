@@ -71,3 +71,66 @@ def test_services_env_without_up_says_what_to_do(tmp_path: Path, monkeypatch: py
     monkeypatch.delenv("AGENTRL_S3_ENDPOINT", raising=False)
     with pytest.raises(RuntimeError, match="infra.services up"):
         services.services_env(tmp_path)
+
+
+class _Image:
+    def __init__(self, labels: dict[str, str]):
+        self.labels = labels
+
+    def save(self, named: bool = True):
+        yield b"image-tar"
+
+
+class _Images:
+    """The engine's image store as ``_ensure_base_image`` uses it: one tag, loaded from a cache file."""
+
+    def __init__(self, present: dict[str, str] | None, cache_labels: dict[str, str] | None = None):
+        self.present = None if present is None else _Image(present)
+        self.cache_labels = cache_labels
+        self.loads = 0
+
+    def list(self, name: str):
+        return [self.present] if self.present is not None else []
+
+    def load(self, f) -> None:
+        self.loads += 1
+        self.present = _Image(self.cache_labels or {})
+
+    def get(self, tag: str) -> _Image:
+        assert self.present is not None
+        return self.present
+
+
+class _Client:
+    def __init__(self, images: _Images):
+        self.images = images
+
+
+CURRENT = {services.BASE_RECIPE_LABEL: services.BASE_RECIPE}
+
+
+@pytest.mark.parametrize(("present", "cache", "loads", "builds"), [
+    (CURRENT, None, 0, 0),  # current image: nothing to do
+    ({}, None, 0, 1),  # an image of before the label (no tmux): rebuilt, cache written
+    (None, CURRENT, 1, 0),  # absent, current cache: loaded
+    (None, {}, 1, 1),  # absent, cache of an older recipe: loaded, found old, rebuilt and the cache replaced
+    (None, None, 0, 1),  # absent, no cache: built
+])
+def test_base_image_of_an_older_recipe_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, present,
+                                                  cache, loads, builds) -> None:
+    images = _Images(present, cache)
+    if cache is not None:
+        (tmp_path / "base.tar.gz").write_bytes(b"old")
+    built: list[str] = []
+
+    def build(client, state, tag):  # stands in for debootstrap + docker import (root, ~1-2 min)
+        built.append(tag)
+        images.present = _Image(dict(CURRENT))
+
+    monkeypatch.setattr(services, "_build_base_image", build)
+    services._ensure_base_image(_Client(images), tmp_path)
+    assert (images.loads, len(built)) == (loads, builds)
+    assert images.present is not None and images.present.labels == CURRENT
+    if builds:
+        assert (tmp_path / "base.tar.gz").read_bytes() != b"old"  # the new image saved over the cache
+    assert "tmux" in services.DEBOOTSTRAP_PACKAGES  # the agent's persistent shell

@@ -242,13 +242,14 @@ def test_same_shell_flag_is_stored(tmp_path):
                               ).run_tests_in_same_shell is True
 
 
-def test_tb_oracle_runs_the_script_from_oracle_in_workdir(tmp_path):
+def test_tb_oracle_runs_the_script_from_oracle_in_the_agents_shell(tmp_path):
     t = load_terminal_task(tb_folder(tmp_path, "instruction: hi\nmax_agent_timeout_sec: 200\n"))
     box = box_for(tb_world(ALL_PASS))
     v = t.reference(box, with_solution=True)
     assert v.outcome == Outcome.SUCCESS
     assert box.files["/oracle/solution.sh"] == b"echo solved > /app/out\n"
-    assert ("bash /oracle/solution.sh", 200.0, None) in box.execs
+    # upstream's oracle types it into the agent's tmux session (started in the WORKDIR), with the agent timeout
+    assert box.shell == [("bash /oracle/solution.sh", 200.0)]
 
 
 # -- solution.yaml ---------------------------------------------------------------------------
@@ -325,6 +326,7 @@ def test_harbor_verifier_and_oracle_get_their_env(tmp_path, monkeypatch):
     assert box.files["/solution/solve.sh"] == (HARBOR / "write-greeting" / "solution" / "solve.sh").read_bytes()
     solve = next(i for i, (c, _, _) in enumerate(box.execs) if c.endswith("/solution/solve.sh"))
     assert box.execs[solve] == ("chmod +x /solution/solve.sh && /solution/solve.sh", 600.0, None)
+    assert box.shell == []  # Harbor's OracleAgent runs solve.sh with environment.exec, not in a tmux shell
     assert box.envs[solve] == {"DEBIAN_FRONTEND": "noninteractive", "GREETING": "hi"}
     test = [c for c, _, _ in box.execs].index(HARBOR_TEST_COMMAND)
     assert box.execs[test][1:] == (600.0, None)  # [verifier] timeout_sec default, the image's WORKDIR
