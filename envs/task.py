@@ -40,8 +40,9 @@ class Verdict:
         reward: 1.0 pass, 0.0 fail (binary, as Terminal-Bench and HumanEval score; Harbor's may lie between).
         outcome: success, model_failure (tests fail) or unknown (no parsable result).
         reason: reason code (``tests_passed``, ``tests_failed``, ``tests_skipped``, ``tests_did_not_run``,
-            ``no_tests_collected``, ``verifier_timeout``, ``verifier_error``, ``no_reward_file``; each
-            defined in ``envs/verify.py``; ``solution_timeout`` from a reference run).
+            ``no_tests_collected``, ``verifier_timeout``, ``verifier_error``, ``no_reward_file``,
+            ``verifier_tampered``; each defined in ``envs/verify.py``; ``solution_timeout`` from a
+            reference run).
         log: the verifier's output, truncated.
     """
 

@@ -193,6 +193,7 @@ class InMemorySandbox:
     backend: InMemoryBackend | None = None
     files: dict[str, bytes] = field(default_factory=dict)
     workdir: str = "/app"
+    diff: list[tuple[str, str]] = field(default_factory=list)  # what changes() reports (docker diff)
     execs: list[tuple[str, float, str]] = field(default_factory=list)  # (command, timeout_s, workdir)
     shell: list[tuple[str, float]] = field(default_factory=list)  # run_in_shell's (command, timeout_s)
     stop_calls: int = 0
@@ -222,6 +223,9 @@ class InMemorySandbox:
         self.shell.append((command, timeout_s))
         self.execs.append((command, timeout_s, SHELL))
         return self._answer(command)
+
+    def changes(self) -> list[tuple[str, str]]:
+        return list(self.diff)
 
     def stop_agent_processes(self) -> int:
         """Count the call; no processes to kill."""

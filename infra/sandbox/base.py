@@ -72,6 +72,10 @@ class Sandbox(Protocol):
         """
         ...
 
+    def changes(self) -> list[tuple[str, str]]:
+        """What the sandbox changed against its image (``docker diff``): ``[(kind, path)]``, kind A/C/D."""
+        ...
+
     def stop_agent_processes(self) -> int:
         """Kill every process the agent left running (before verification); returns how many."""
         ...

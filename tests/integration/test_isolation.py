@@ -147,6 +147,7 @@ def test_harbor_reward_cannot_be_forged(backend, greeting, tamper):
         time.sleep(0.2)
         verdict = verify_harbor(box, task)
         assert (verdict.reward, verdict.outcome) == (0.0, Outcome.MODEL_FAILURE), verdict
+        box.stop_agent_processes()  # a forger still running (the reward loop) would be caught again
         box.exec("echo 'Hello, Harbor!' > /app/greeting.txt", 5)  # a genuine solution still scores 1
         assert verify_harbor(box, task).reward == 1.0
     finally:

@@ -392,7 +392,7 @@ def test_a_harbor_task_is_scored_from_its_reward_file(rig, tmp_path, replies, ou
     assert (row["outcome"], row["reward"]) == (outcome, reward)
     [box] = r.sandboxes.sandboxes
     assert box.files["/logs/verifier/reward.txt"] == (b"1\n" if reward else b"0\n")
-    assert execs(box)[-1] == HARBOR_TEST_COMMAND
+    assert HARBOR_TEST_COMMAND in execs(box)
 
 
 @pytest.mark.parametrize(("body", "outcome"), [("    return a + b\n", "success"),

@@ -181,13 +181,14 @@ def test_run_tests_task_verifies_as_the_harness_does(tmp_path):
     box.files["/tests/planted.py"] = b"agent-made"
     v = t.verify(box, "")
     assert (v.reward, v.outcome, v.reason) == (1.0, Outcome.SUCCESS, "tests_passed")
-    assert box.stop_calls == 1
+    assert box.stop_calls == 0  # a server the agent left running stays up for the tests (envs.tamper guards)
     assert "/tests/planted.py" not in box.files  # the agent's /tests is gone; the task's files are in
     assert box.files["/tests/test_swe.py"] == b"def test_x():\n    pass\n"
     assert box.files["/tests/run-tests.sh"] == t.run_tests.encode()
-    command, timeout_s, workdir = box.execs[-1]
-    assert (command, timeout_s, workdir) == (f"bash /tests/run-tests.sh > {LOG} 2>&1", 45.0, None)  # WORKDIR
-    assert box.envs[-1] == {"TEST_DIR": "/tests"}
+    run = next(i for i, (c, _, _) in enumerate(box.execs) if c == f"bash /tests/run-tests.sh > {LOG} 2>&1")
+    assert box.execs[run][1:] == (45.0, None)  # the task's test timeout, in the image's WORKDIR
+    env = dict(box.envs[run])
+    assert env.pop("PYTHONPYCACHEPREFIX").startswith("/") and env == {"TEST_DIR": "/tests"}
 
 
 @pytest.mark.parametrize(("pane", "timed_out", "reason"), [
@@ -330,7 +331,8 @@ def test_harbor_verifier_and_oracle_get_their_env(tmp_path, monkeypatch):
     assert box.envs[solve] == {"DEBIAN_FRONTEND": "noninteractive", "GREETING": "hi"}
     test = [c for c, _, _ in box.execs].index(HARBOR_TEST_COMMAND)
     assert box.execs[test][1:] == (600.0, None)  # [verifier] timeout_sec default, the image's WORKDIR
-    assert box.envs[test] == {"MODE": "strict", "JUDGE": "from-host"}
+    env = dict(box.envs[test])
+    assert env.pop("PYTHONPYCACHEPREFIX").startswith("/") and env == {"MODE": "strict", "JUDGE": "from-host"}
 
 
 @pytest.mark.parametrize(("toml", "network"), [
