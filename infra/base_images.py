@@ -82,7 +82,7 @@ class LocalBase:
     """A local equivalent of a published base image."""
 
     tag: str
-    """Our image tag, e.g. ``agentrl-python:3.13-trixie-1`` (the last part is the recipe version)."""
+    """Our image tag, e.g. ``agentrl-python:3.13-trixie-2`` (the last part is the recipe version)."""
     distro: str
     """``debian`` or ``ubuntu``."""
     suite: str
@@ -93,10 +93,10 @@ class LocalBase:
     """Behaves like Docker Hub's ``python:3.x``: ``python``/``pip`` commands, system-wide pip, venv."""
 
 
-TRIXIE_PY = LocalBase("agentrl-python:3.13-trixie-1", "debian", "trixie", "3.13", True)
-BOOKWORM_PY = LocalBase("agentrl-python:3.11-bookworm-1", "debian", "bookworm", "3.11", True)
-NOBLE_PY = LocalBase("agentrl-python:3.12-noble-1", "ubuntu", "noble", "3.12", True)
-JAMMY_PY = LocalBase("agentrl-python:3.10-jammy-1", "ubuntu", "jammy", "3.10", True)
+TRIXIE_PY = LocalBase("agentrl-python:3.13-trixie-2", "debian", "trixie", "3.13", True)
+BOOKWORM_PY = LocalBase("agentrl-python:3.11-bookworm-2", "debian", "bookworm", "3.11", True)
+NOBLE_PY = LocalBase("agentrl-python:3.12-noble-2", "ubuntu", "noble", "3.12", True)
+JAMMY_PY = LocalBase("agentrl-python:3.10-jammy-2", "ubuntu", "jammy", "3.10", True)
 TRIXIE = LocalBase("agentrl-debian:13-trixie-1", "debian", "trixie", "", False)
 BOOKWORM = LocalBase("agentrl-debian:12-bookworm-1", "debian", "bookworm", "", False)
 NOBLE = LocalBase("agentrl-ubuntu:24.04-noble-1", "ubuntu", "noble", "", False)
@@ -207,7 +207,7 @@ def local_base_for(image: str) -> tuple[LocalBase, str] | None:
 
     Returns:
         ``(base, note)``; the note reads ``"<image> -> <tag> (<differences>)"``, e.g.
-        ``"python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-1 (Python 3.10 is in no current Debian
+        ``"python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-2 (Python 3.10 is in no current Debian
         release; Ubuntu jammy's python3.10 used; jammy instead of bookworm)"``.  None when ``MAPPING``
         has no equivalent (the caller falls back or fails).
     """
@@ -408,11 +408,17 @@ def _configure(base: LocalBase, rootfs: Path, ca_bundle: Path | None, log_file: 
     script = ["echo 'debconf debconf/frontend select Noninteractive' | debconf-set-selections",
               "update-ca-certificates"]
     if base.python_image:
+        # As python:3.x images: the interpreter's own prefix in /usr/local (here a venv over the distro's
+        # python3, with pip from ensurepip), whose site-packages holds what `pip install` adds and nothing
+        # of Debian's (asciinema's python3-* packages stay with /usr/bin/python3, as upstream, where
+        # apt's python3 is a second interpreter): pip can upgrade any package, none lacks a RECORD.
         script += [
             "rm -f /usr/lib/python3*/EXTERNALLY-MANAGED",
-            "[ -e /usr/bin/pip ] || ln -s pip3 /usr/bin/pip",
-            f"ln -sf /usr/bin/pip3 /usr/local/bin/pip{base.python_version}",
-            f"python{base.python_version} -m pip --version",
+            f"python{base.python_version} -m venv /usr/local",
+            "rm -f /usr/local/bin/activate* /usr/local/bin/Activate.ps1",
+            f"/usr/local/bin/python{base.python_version} -m pip --version",
+            f"[ -e /usr/local/bin/pip{base.python_version} ] || "
+            f"ln -s pip3 /usr/local/bin/pip{base.python_version}",
         ]
     _run_step("configure (chroot: debconf, update-ca-certificates, pip)",
               ["chroot", str(rootfs), "/bin/sh", "-ec", " && ".join(script)], log_file)

@@ -69,11 +69,11 @@ def test_unknown_names_have_no_equivalent(image):
 
 def test_notes_say_what_differs():
     assert local_base_for("python:3.13-slim-bookworm")[1] == (
-        "python:3.13-slim-bookworm -> agentrl-python:3.13-trixie-1 "
+        "python:3.13-slim-bookworm -> agentrl-python:3.13-trixie-2 "
         "(distro python3.13 instead of python.org's build; trixie instead of bookworm)"
     )
     assert local_base_for("python:3.10-slim-bookworm")[1] == (
-        "python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-1 (Python 3.10 is in no current Debian release; "
+        "python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-2 (Python 3.10 is in no current Debian release; "
         "Ubuntu jammy's python3.10 used; jammy instead of bookworm)"
     )
     assert "upstream is python:3.13-slim-bookworm" in local_base_for("ghcr.io/laude-institute/t-bench/python-3-13:x")[1]
