@@ -1,0 +1,48 @@
+"""Real upstream tasks, vendored verbatim (tests/fixtures/real_tasks, licences beside them), through build_envs."""
+
+from pathlib import Path
+
+import pytest
+
+from envs.taskset import load_taskset
+from infra.environments import build_catalog
+
+pytestmark = pytest.mark.integration
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real_tasks"
+
+
+def _one(backend, folder: Path, build_network: bool = True):
+    tasks, errors = load_taskset(folder)
+    assert errors == [] and len(tasks) == 1
+    (task,) = tasks
+    entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"}, max_parallel_builds=1,
+                                  build_network=build_network)
+    return entries[0], logs.get(task.task_id, "")
+
+
+def test_terminal_bench_task_builds_online_on_its_base_and_names_the_host_it_cannot_reach(backend):
+    for image in backend.client.images.list(name="agentrl-task-tb-csv-to-parquet"):  # build it, not reuse it
+        backend.client.images.remove(image.id, force=True)
+    entry, log = _one(backend, FIXTURES / "terminal-bench" / "csv-to-parquet")
+    # the registry base image has its local equivalent, and the Dockerfile's apt-get reached Ubuntu's archive
+    assert "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624 -> agentrl-ubuntu:24.04-noble-1" in log
+    assert "Step 2/4 : RUN apt-get update && apt-get install -y curl" in log and entry.image  # (layers may be cached)
+    # run-tests.sh ran as authored (apt-get, then curl astral.sh | sh): not the solution's fault, not ours
+    assert (entry.usable, entry.cause) == (False, "unreachable_host")
+    assert entry.fix == "needs astral.sh, which this machine cannot reach"
+    assert "Could not resolve host: astral.sh" in log
+
+
+def test_offline_build_of_a_task_that_downloads_says_so(backend, tmp_path):
+    """Not a vendored task (csv-to-parquet builds offline too: its base already has curl): one pip install."""
+    task = tmp_path / "tasks" / "needs-pypi"
+    (task / "tests").mkdir(parents=True)
+    (task / "Dockerfile").write_text("FROM python:3.13-slim-bookworm\nRUN pip install --no-cache-dir six==1.16.0\n")
+    (task / "task.yaml").write_text("instruction: Do nothing.\n")
+    (task / "tests" / "test_outputs.py").write_text("def test_x():\n    pass\n")
+    (task / "solution.sh").write_text("true\n")
+    entry, log = _one(backend, tmp_path / "tasks", build_network=False)
+    assert (entry.usable, entry.cause) == (False, "needs_network")
+    assert "Step 2/3: RUN pip install --no-cache-dir six==1.16.0" in entry.fix  # (step 3: our LABEL)
+    assert "tasks.build_network = true" in entry.fix
