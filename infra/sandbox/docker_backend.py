@@ -616,10 +616,12 @@ class DockerSandbox:
             SandboxInfraError: the container is gone or the engine failed.
         """
         keep = " ".join(str(p) for p in self._main_pids())
-        # Passes repeat until one finds nothing to kill: a fork bomb respawns while it is being killed.
-        script = (f"t=0; i=0; while [ $i -lt 50 ]; do i=$((i+1)); n=0; for d in /proc/[0-9]*; do p=${{d#/proc/}}; "
-                  f"case \" {keep} $$ \" in *\" $p \"*) ;; *) kill -9 $p 2>/dev/null && n=$((n+1));; esac; done; "
-                  "t=$((t+n)); [ $n -eq 0 ] && break; done; echo $t")
+        # Passes repeat until one finds nothing to kill: a fork bomb respawns while it is being killed. Each
+        # pass stops every process first (a stopped process cannot fork), then kills them.
+        others = (f"for d in /proc/[0-9]*; do p=${{d#/proc/}}; case \" {keep} $$ \" in *\" $p \"*) ;; "
+                  "*) kill -SIG $p 2>/dev/null && n=$((n+1));; esac; done")
+        script = (f"t=0; i=0; while [ $i -lt 50 ]; do i=$((i+1)); n=0; {others.replace('SIG', 'STOP')}; n=0; "
+                  f"{others.replace('SIG', '9')}; t=$((t+n)); [ $n -eq 0 ] && break; done; echo $t")
         r = self._api("exec", self._container.exec_run, ["sh", "-c", script])
         try:
             return int((r.output or b"0").split()[-1])

@@ -186,7 +186,8 @@ def test_catalog_validated_with_logs(finished_run, s3):
     assert entries["tb/csv-column"]["task_format"] == "terminal-bench"
     assert entries["harbor/fix-median"]["task_format"] == "harbor"
     log = s3.cat_file(f"{run}/envs-logs/tb__csv-column.log").decode()
-    assert "base image ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-base:bookworm" in log
+    # the registry base image gets its local equivalent (infra.base_images), named in the build log
+    assert "base image ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-python:3.13-trixie-2" in log
     assert "validation: reference solution passes; do-nothing scores 0.0" in log
 
 

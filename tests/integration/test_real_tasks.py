@@ -22,7 +22,7 @@ def _one(backend, folder: Path, build_network: bool = True):
 
 
 def test_terminal_bench_task_builds_online_on_its_base_and_names_the_host_it_cannot_reach(backend):
-    for image in backend.client.images.list(name="agentrl-task-tb-csv-to-parquet"):  # build it, not reuse it
+    for image in backend.client.images.list(name="agentrl-task-csv-to-parquet"):  # build it, not reuse it
         backend.client.images.remove(image.id, force=True)
     entry, log = _one(backend, FIXTURES / "terminal-bench" / "csv-to-parquet")
     # the registry base image has its local equivalent, and the Dockerfile's apt-get reached Ubuntu's archive
