@@ -3,12 +3,12 @@
 Isolation guaranteed here: no network unless the task has it (Terminal-Bench and Harbor tasks do,
 as upstream: the ``agentrl-internet`` bridge, which reaches the outside but no port of the host), all
 capabilities dropped, ``no-new-privileges``, a pids limit, memory/CPU limits when the task (or the
-run's ``tasks.default_*``) sets them, a size-limited tmpfs ``/tmp`` (which the engine's archive
-API, and so ``put_file``/``get_file``, cannot see: keep files exchanged with the sandbox
-elsewhere), every container labelled ``agentrl=1`` plus the owning process (``agentrl.owner``)
-so the leftovers of a crashed run are reaped by label. Not guaranteed: protection against kernel
-exploits (containers share the host kernel), or a bound on what the agent writes outside ``/tmp``
-(overlay2 on ext4 has no per-container quota).
+run's ``tasks.default_*``) sets them, a per-container disk limit on a btrfs engine (``/tmp`` is then
+the image's own, as under ``docker run``; without a quota it is a size-limited tmpfs, which the
+engine's archive API, and so ``put_file``/``get_file``, cannot see), every container labelled
+``agentrl=1`` plus the owning process (``agentrl.owner``) so the leftovers of a crashed run are
+reaped by label. Not guaranteed: protection against kernel exploits (containers share the host
+kernel), or, without a quota (overlay2 on ext4), a bound on what the agent writes outside ``/tmp``.
 
 Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here; those
 with a local equivalent (``infra.base_images``) get it, built once and tagged with the upstream name;
@@ -290,6 +290,18 @@ class DockerBackend:
                      conf={"Labels": {LABEL: "1"}})
         return f"{repository}:{tag}"
 
+    def _tmpfs(self) -> dict[str, str]:
+        """The sandbox's tmpfs mounts: the command-output dir always; ``/tmp`` only without a disk quota.
+
+        With a quota (btrfs) ``/tmp`` is the image's own, as under ``docker run`` (what the image put
+        there stays visible; writes count against ``disk_mb``); without one a ``tmp_size_mb`` tmpfs is
+        the only bound on what the agent writes there.
+        """
+        mounts = {_EXEC_DIR: "size=32m,mode=700"}
+        if not self.disk_quota:
+            mounts["/tmp"] = f"size={self.tmp_size_mb}m,mode=1777"
+        return mounts
+
     def image_digest(self, image: str) -> str:
         """The image's content id (``sha256:...``), recorded so an episode can be replayed."""
         return self.client.images.get(image).id
@@ -320,7 +332,7 @@ class DockerBackend:
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus or None,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                tmpfs={"/tmp": f"size={self.tmp_size_mb}m,mode=1777", _EXEC_DIR: "size=32m,mode=700"},
+                tmpfs=self._tmpfs(),
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels},
             )

@@ -69,10 +69,12 @@ def test_memory_hog_is_killed_without_touching_other_sandboxes(boxes):
 
 
 def test_tmp_fill_is_bounded_and_host_files_invisible(boxes, backend):
-    box = boxes()
-    r = box.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=1024 2>&1; df -m /tmp | tail -1", 60)
-    assert "No space left on device" in r.output
-    assert box.exec("du -sm /tmp/fill | cut -f1", 5).output.strip() == str(backend.tmp_size_mb)
+    box = boxes(disk_mb=200)
+    r = box.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=1024 2>&1; sync", 120)
+    assert "No space left on device" in r.output or "Disk quota exceeded" in r.output, r.output
+    written_mb = int(box.exec("du -sm /tmp/fill | cut -f1", 10).output.split()[0])
+    # with a disk quota /tmp is the image's own, bounded by disk_mb; without one, a tmpfs of tmp_size_mb
+    assert written_mb <= 220 if backend.disk_quota else written_mb == backend.tmp_size_mb
     # nothing of the host: not this repository, not the host's hostname, no docker socket
     out = box.exec(f"ls {ROOT} /var/run/docker.sock 2>&1; hostname", 5).output
     assert out.count("No such file") == 2 and socket.gethostname() not in out
@@ -92,6 +94,15 @@ def test_disk_fill_is_bounded(boxes, backend):
     other = boxes()  # the host's disk and other sandboxes are untouched
     assert other.exec("mkdir -p /app && dd if=/dev/zero of=/app/ok bs=1M count=50 2>&1 && echo ok",
                       60).output.strip().endswith("ok")
+
+
+def test_tmp_is_the_images_own_under_a_disk_quota(boxes, backend, tmp_path):
+    """What an image puts in /tmp is there for the agent, as under ``docker run`` (issue 12)."""
+    if not backend.disk_quota:
+        pytest.skip("without a disk quota /tmp is a tmpfs (the only bound on what is written there)")
+    (tmp_path / "Dockerfile").write_text(f"FROM {BASE_IMAGE}\nRUN echo seeded > /tmp/from-image\n")
+    image, _, _ = backend.build_image("agentrl-test-tmp-seeded", tmp_path, network=False)
+    assert boxes(image).exec("cat /tmp/from-image", 5).output.strip() == "seeded"
 
 
 def test_task_limits_are_applied(boxes):
