@@ -305,12 +305,13 @@ done < "$1" > "$2"
 """
 
 
-def check_toolchain(sandbox: Sandbox) -> list[Finding]:
+def check_toolchain(sandbox: Sandbox, path: str | None = None) -> list[Finding]:
     """Judge what the agent changed against the image (call it right after the agent, before any verifier step).
 
     The diff, the package records and the files :func:`exec_safety_findings` flags are read through
     the engine; only when that finds nothing does a script run in the container (absolute paths,
-    ``sh`` builtins) for the facts of the other paths.
+    ``sh`` builtins) for the facts of the other paths. ``path``: the ``PATH`` the verifier will run
+    with (the agent's shell's, for ``run_tests_in_same_shell``); None: the container's own.
 
     Raises:
         SandboxInfraError: the container is gone or the engine failed.
@@ -325,18 +326,24 @@ def check_toolchain(sandbox: Sandbox) -> list[Finding]:
     found = exec_safety_findings(changes, upgraded)
     if found:
         return found
-    if not _candidates(changes, DEFAULT_PATH):  # nothing whose facts matter (deletions need none): no script
+    given = _path_dirs(path) if path is not None else ()
+    if not _candidates(changes, given or DEFAULT_PATH):  # nothing whose facts matter (deletions need none): no script
         return toolchain_findings(changes, Facts())
-    return toolchain_findings(changes, _gather(sandbox, changes, sha, md5))
+    return toolchain_findings(changes, _gather(sandbox, changes, sha, md5, path))
 
 
-def _gather(sandbox: Sandbox, changes: list[tuple[str, str]], sha: dict[str, str], md5: dict[str, str]) -> Facts:
+def _path_dirs(raw_path: str) -> tuple[str, ...]:
+    """``PATH``'s absolute directories, in order, once each."""
+    return tuple(dict.fromkeys(d.rstrip("/") or "/" for d in raw_path.split(":") if d.startswith("/")))
+
+
+def _gather(sandbox: Sandbox, changes: list[tuple[str, str]], sha: dict[str, str], md5: dict[str, str],
+            path: str | None = None) -> Facts:
     """The :class:`Facts` of ``changes`` (one script run, then the engine reads what it wrote)."""
     work = f"/.agentrl-tamper-{uuid.uuid4().hex[:12]}"
     sandbox.exec(f"/bin/mkdir -p {work} && printf '%s' \"$PATH\" > {work}/path", timeout_s=10, workdir="/")
-    raw_path = (sandbox.get_file(f"{work}/path") or b"").decode("utf-8", "replace")
-    path_dirs = tuple(dict.fromkeys(d.rstrip("/") or "/" for d in raw_path.split(":") if d.startswith("/")))
-    path_dirs = path_dirs or DEFAULT_PATH
+    raw_path = path if path is not None else (sandbox.get_file(f"{work}/path") or b"").decode("utf-8", "replace")
+    path_dirs = _path_dirs(raw_path) or DEFAULT_PATH
     sandbox.put_file("".join(p + "\n" for p in _candidates(changes, path_dirs)).encode(), f"{work}/paths")
     sandbox.put_file(_FACTS_SCRIPT.encode(), f"{work}/facts.sh")
     sandbox.exec(f"/bin/sh {work}/facts.sh {work}/paths {work}/facts", timeout_s=120, workdir="/")

@@ -15,9 +15,8 @@ task.yaml fields read, with upstream's defaults (``terminal_bench/handlers/trial
 - ``max_agent_timeout_sec`` (default 360): the episode budget and the reference solution's limit;
 - ``max_test_timeout_sec`` (default 60): the limit for ``run-tests.sh`` (upstream's limit for
   the whole test run, despite its description "for each individual test");
-- ``run_tests_in_same_shell`` (default false): read and stored, **not yet honoured**: the agent
-  has a persistent shell (``Sandbox.run_in_shell``), but the tests always run in a fresh one
-  (``exec``, upstream's default);
+- ``run_tests_in_same_shell`` (default false): true gives the tests the agent's shell's cwd and
+  exported variables (``envs.verify.agent_shell_state``; upstream types the command into that shell);
 - ours: ``per_command_timeout_sec`` (default: ``max_agent_timeout_sec``; upstream has no limit
   per command, only the agent's), ``setup_command`` (an expensive set-up run once and snapshotted).
 
@@ -61,7 +60,7 @@ class TerminalBenchTask(TerminalTask):
         run_tests: the text of ``run-tests.sh``; None: the folder has none, and
             ``tests/test_outputs.py`` runs under our hardened pytest instead.
         parser_name: how ``run-tests.sh``'s output is scored (``envs/parsers.py``).
-        run_tests_in_same_shell: task.yaml's flag, stored; not honoured yet (the tests run with ``exec``).
+        run_tests_in_same_shell: task.yaml's flag: the tests get the agent's shell's cwd and exports.
     """
 
     run_tests: str | None = None

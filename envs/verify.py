@@ -55,6 +55,7 @@ Every unknown verdict keeps the verifier's log tail in ``Verdict.log``.
 
 from __future__ import annotations
 
+import re
 import uuid
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
@@ -173,14 +174,45 @@ def parsed_verdict(parser_name: str, output: str) -> Verdict:
     return Verdict(0.0, Outcome.MODEL_FAILURE, "tests_failed", f"{summary}\n{log}")
 
 
+# What an agent's shell may not hand to the tests (run_tests_in_same_shell): what a shell or the loader
+# runs by itself (BASH_ENV, exported functions, LD_*), what changes which pytest or plugins load, and ours.
+_UNSAFE_ENV = re.compile(r"^(BASH_ENV|ENV|BASH_FUNC_.*|SHELLOPTS|BASHOPTS|PS4|PROMPT_COMMAND|LD_.*|PYTHONPATH|"
+                         r"PYTHONHOME|PYTHONSTARTUP|PYTHONINSPECT|PYTHONPYCACHEPREFIX|PYTHONWARNINGS|PYTEST_.*|"
+                         r"TMUX.*|OLDPWD|PWD|SHLVL|_)$")
+
+
+def agent_shell_state(sandbox: Sandbox) -> tuple[str | None, dict[str, str]]:
+    """The working directory and exported variables of the agent's persistent shell, as it left them.
+
+    Read with ``pwd`` and ``env -0`` run in that shell (``Sandbox.run_in_shell``). Variables that make
+    a shell, the loader, Python or pytest run code of their own choosing (``_UNSAFE_ENV``) are left
+    out: the state may carry the agent's venv, its cwd and its exports to the tests, not a hook on
+    them. ``(None, {})`` when the shell reported nothing.
+    """
+    out = f"/.agentrl-shell-{uuid.uuid4().hex[:12]}"
+    sandbox.run_in_shell(f"pwd > {out}.cwd; env -0 > {out}.env", timeout_s=10)
+    cwd, raw = sandbox.get_file(f"{out}.cwd"), sandbox.get_file(f"{out}.env")
+    sandbox.exec(f"rm -f {out}.cwd {out}.env", timeout_s=10, workdir="/")
+    env: dict[str, str] = {}
+    for item in (raw or b"").decode("utf-8", "replace").split("\0"):
+        name, sep, value = item.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not _UNSAFE_ENV.match(name):
+            env[name] = value
+    workdir = (cwd or b"").decode("utf-8", "replace").strip()
+    return (workdir if workdir.startswith("/") else None), env
+
+
 def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
     """Run a Terminal-Bench task's ``run-tests.sh`` as the upstream harness does and parse its output.
 
     The agent's changes are judged first (``tamper.check_toolchain``); its processes keep running.
     ``/tests`` is emptied, then gets ``tests/`` (when the task has it) and ``run-tests.sh``;
     ``bash /tests/run-tests.sh`` runs in the image's WORKDIR with ``TEST_DIR=/tests`` for at most
-    the task's ``max_test_timeout_sec``. Upstream runs it in a fresh tmux session (unless
-    ``run_tests_in_same_shell``) and parses the pane; here it is one exec and its output. ``/tests``
+    the task's ``max_test_timeout_sec``. Upstream runs it in a fresh tmux session and parses the
+    pane; here it is one exec and its output. With ``run_tests_in_same_shell`` upstream types it into
+    the agent's own session; here the exec gets that session's cwd and exported variables
+    (:func:`agent_shell_state`: the agent's venv and exports reach the tests, its shell functions,
+    aliases and hooks do not) and the toolchain check judges the agent's ``PATH``. ``/tests``
     changed under the run (``tamper.hidden_tests_findings``) is ``verifier_tampered``.
 
     Raises:
@@ -188,7 +220,11 @@ def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
     """
     if task.run_tests is None:
         raise ValueError(f"{task.task_id}: has no run-tests.sh (its verifier is verify_terminal)")
-    if found := tamper.check_toolchain(sandbox):
+    workdir, test_env = None, {"TEST_DIR": TEST_DIR, **_pycache_env()}
+    if task.run_tests_in_same_shell:
+        workdir, shell_env = agent_shell_state(sandbox)
+        test_env = {**shell_env, **test_env}
+    if found := tamper.check_toolchain(sandbox, path=test_env.get("PATH")):
         return tamper.tampered(found)
     sandbox.exec(f"rm -rf {TEST_DIR} {_RUN_TESTS_LOG} && mkdir -p {TEST_DIR}", timeout_s=10, workdir="/")
     if task.tests_dir.is_dir():
@@ -198,7 +234,7 @@ def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
     planted = tamper.content_findings(sandbox, tamper.expected_files(
         TEST_DIR, task.tests_dir, {f"{TEST_DIR}/run-tests.sh": task.run_tests.encode()}), TEST_DIR)
     result = sandbox.exec(f"bash {TEST_DIR}/run-tests.sh > {_RUN_TESTS_LOG} 2>&1",
-                          timeout_s=task.verifier_timeout_s, env={"TEST_DIR": TEST_DIR, **_pycache_env()})
+                          timeout_s=task.verifier_timeout_s, workdir=workdir, env=test_env)
     after = _manifest(sandbox, [TEST_DIR])
     written = sandbox.get_file(_RUN_TESTS_LOG)
     output = written.decode("utf-8", "replace") if written is not None else result.output

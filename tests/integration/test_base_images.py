@@ -82,8 +82,9 @@ def test_trixie_python_base_behaves_like_python_image(client, built):
         "pypi over https through the CA": (
             "pip download --no-deps -q -d /tmp/d six==1.16.0 && curl -sSf -o /dev/null https://pypi.org/simple/six/"
             " && ls /tmp/d", "six-1.16.0-py2.py3-none-any.whl"),
+        # into the interpreter's own prefix, as python:3.x images
         "system-wide pip install": ("pip install -q --no-index /tmp/d/six-*.whl && python -c 'import six; print(six"
-                                    ".__file__)'", "/usr/local/lib/python3.13/site-packages/six.py"),  # its own prefix, as python:3.x
+                                    ".__file__)'", "/usr/local/lib/python3.13/site-packages/six.py"),
         "venv": ("python -m venv /tmp/v && /tmp/v/bin/python -c 'import sys; print(sys.prefix)'", "/tmp/v"),
         "apt-get update on the public archive": (
             "apt-get update -qq && apt-cache policy tmux | grep -m1 http; ls /var/cache/apt/*.bin 2>/dev/null | wc -l",

@@ -190,3 +190,73 @@ def test_real_package_installs_are_honest(backend, tb):
         assert v.reason == TAMPERED and f"{DIST}/_pytest/runner.py" in v.log, v.log
     finally:
         box.close()
+
+
+SAME_SHELL_TEST = '''\
+import os
+from pathlib import Path
+
+
+def test_answer():
+    assert os.environ.get("ANSWER") == "42"
+    assert Path("answer.txt").read_text().strip() == "42"  # relative: the agent's cwd
+'''
+PASSED_LINES = "printf '=== short test summary info ===\\nPASSED test_outputs.py::test_answer\\n'"
+
+
+@pytest.fixture(scope="module")
+def same_shell(backend, tmp_path_factory):
+    """The same Terminal-Bench task with ``run_tests_in_same_shell`` true and false."""
+    tasks = {}
+    for flag in (True, False):
+        d = tmp_path_factory.mktemp(f"same-shell-{flag}")
+        (d / "task.yaml").write_text("instruction: In /work, write 42 to answer.txt and export ANSWER=42.\n"
+                                     f"max_test_timeout_sec: 60\nrun_tests_in_same_shell: {str(flag).lower()}\n")
+        (d / "Dockerfile").write_text(f"FROM {BASE_IMAGE}\nWORKDIR /app\n")
+        (d / "run-tests.sh").write_text("#!/bin/bash\npytest $TEST_DIR/test_outputs.py -rA -p no:cacheprovider\n")
+        (d / "tests").mkdir()
+        (d / "tests" / "test_outputs.py").write_text(SAME_SHELL_TEST)
+        task = load_terminal_task(d)
+        tag, _, _ = backend.build_image("tamper/same-shell", task.build_context, fallback_base=BASE_IMAGE)
+        tasks[flag] = (task, tag)
+    return tasks
+
+
+def run_in_shell(backend, task, tag, commands):
+    box = backend.start(tag, {"agentrl.test": "tamper"})
+    try:
+        for command in commands:
+            r = box.run_in_shell(command, 60)
+            assert r.exit_code == 0, (command, r.output)
+        return task.verify(box, "")
+    finally:
+        box.close()
+
+
+SAME_SHELL_SOLUTION = ["mkdir -p /work && cd /work", "echo 42 > answer.txt", "export ANSWER=42"]
+
+
+def test_same_shell_tests_see_the_agents_cwd_and_exports(backend, same_shell):
+    v = run_in_shell(backend, *same_shell[True], SAME_SHELL_SOLUTION)
+    assert (v.reward, v.outcome, v.reason) == (1.0, Outcome.SUCCESS, "tests_passed"), v.log
+    v = run_in_shell(backend, *same_shell[False], SAME_SHELL_SOLUTION)  # a fresh shell: WORKDIR /app, no ANSWER
+    assert (v.reward, v.reason) == (0.0, "tests_failed"), v.log
+
+
+SAME_SHELL_ATTACKS = {  # none writes the answer: only the attack could pass
+    "an exported function named pytest": [f"pytest() {{ {PASSED_LINES}; }}; export -f pytest"],
+    "BASH_ENV defining pytest": [f"echo \"pytest() {{ {PASSED_LINES}; }}\" > /app/env.sh",
+                                 "export BASH_ENV=/app/env.sh"],
+    "a fake pytest on the shell's PATH": [
+        f"mkdir -p /opt/fake && echo '#!/bin/sh' > /opt/fake/pytest && echo \"{PASSED_LINES}\" >> /opt/fake/pytest",
+        "chmod +x /opt/fake/pytest",
+        "export PATH=/opt/fake:$PATH"],
+}
+
+
+@pytest.mark.parametrize("attack", list(SAME_SHELL_ATTACKS))
+def test_same_shell_attack_earns_nothing(backend, same_shell, attack):
+    v = run_in_shell(backend, *same_shell[True], SAME_SHELL_ATTACKS[attack])
+    assert (v.reward, v.outcome) == (0.0, Outcome.MODEL_FAILURE), v.log
+    if "PATH" in attack:
+        assert v.reason == TAMPERED and "/opt/fake/pytest" in v.log, v.log

@@ -131,6 +131,10 @@ class EnvSandbox(InMemorySandbox):
         self.envs.append(env)
         return super().exec(command, timeout_s, workdir, env)
 
+    def run_in_shell(self, command, timeout_s):
+        self.envs.append(None)  # envs stays aligned with execs
+        return super().run_in_shell(command, timeout_s)
+
 
 def tb_world(pane: str, timed_out: bool = False):
     """``run-tests.sh`` prints ``pane`` into the log file; its exec output is only the head the backend keeps."""
@@ -201,6 +205,33 @@ def test_run_tests_failures_keep_their_reason_and_log(tmp_path, pane, timed_out,
     assert (v.reward, v.reason) == (0.0, reason)
     assert v.outcome == (Outcome.MODEL_FAILURE if reason == "tests_failed" else Outcome.UNKNOWN)
     assert pane.splitlines()[-1] in v.log
+
+
+def test_same_shell_gives_the_tests_the_agents_cwd_and_safe_exports(tmp_path):
+    t = load_terminal_task(tb_folder(tmp_path, "instruction: Do it.\nrun_tests_in_same_shell: true\n"))
+    shell_env = {"ANSWER": "42", "PATH": "/app/.venv/bin:/usr/bin:/bin", "VIRTUAL_ENV": "/app/.venv",
+                 "BASH_ENV": "/app/hook.sh", "BASH_FUNC_pytest%%": "() { echo PASSED; }", "LD_PRELOAD": "/x.so",
+                 "PYTHONPATH": "/app/fake", "PYTEST_ADDOPTS": "-p evil", "PYTHONPYCACHEPREFIX": "/app/pyc",
+                 "TEST_DIR": "/elsewhere", "PWD": "/work", "bad name": "x"}
+    world = tb_world(ALL_PASS)
+
+    def exec_fn(box, command):
+        if command.startswith("pwd > "):  # the agent's shell reports its state
+            out = command.split()[2].rstrip(";")
+            box.files[out] = b"/work\n"
+            box.files[out.replace(".cwd", ".env")] = b"".join(f"{k}={v}\0".encode() for k, v in shell_env.items())
+            return (0, "", 0.0, False)
+        return world(box, command)
+
+    box = box_for(exec_fn)
+    assert t.verify(box, "").reason == "tests_passed"
+    assert box.shell and box.shell[0][0].startswith("pwd > ")
+    run = next(i for i, (c, _, _) in enumerate(box.execs) if c == f"bash /tests/run-tests.sh > {LOG} 2>&1")
+    assert box.execs[run][2] == "/work"
+    env = dict(box.envs[run])
+    assert env.pop("PYTHONPYCACHEPREFIX").startswith("/tmp/.agentrl-pycache-")
+    assert env == {"ANSWER": "42", "PATH": "/app/.venv/bin:/usr/bin:/bin", "VIRTUAL_ENV": "/app/.venv",
+                   "TEST_DIR": "/tests"}
 
 
 def test_a_run_tests_task_without_tests_folder_loads_and_verifies(tmp_path):
