@@ -157,9 +157,9 @@ def load_harbor_task(folder: Path) -> Task:
         raise TaskError(f"{instruction_path}: missing or empty (the instruction the agent is given)")
     env_dir = folder / "environment"
     if (env_dir / "docker-compose.yaml").is_file():
-        from envs.terminal_bench import _compose_dockerfile
+        from envs.terminal_bench import compose_build
 
-        dockerfile = _compose_dockerfile(env_dir)
+        _, dockerfile, _ = compose_build(env_dir / "docker-compose.yaml")  # one service; several: unsupported
     elif (env_dir / "Dockerfile").is_file():
         dockerfile = "Dockerfile"
     else:

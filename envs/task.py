@@ -53,6 +53,19 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class ComposeServices:
+    """A multi-service task's Docker Compose project: the agent acts in ``main``, the others run beside it.
+
+    Attributes:
+        file: the task's compose file (build contexts are relative to its folder).
+        main: the service the agent acts in (Terminal-Bench: ``client``).
+    """
+
+    file: Path
+    main: str
+
+
+@dataclass(frozen=True)
 class SandboxLimits:
     """A task's sandbox limits (``DockerBackend.start`` keywords); None: the backend's default.
 
@@ -62,16 +75,19 @@ class SandboxLimits:
         network: the task opts in to network access (default: no network at all).
         disk_mb: disk limit for the sandbox's writable layer in MiB (enforced when the engine's
             storage driver supports it, see ``DockerBackend``).
+        services: the task's other services (a multi-service compose file); None: one container.
     """
 
     cpus: float | None = None
     memory_mb: int | None = None
     network: bool = False
     disk_mb: int | None = None
+    services: ComposeServices | None = None
 
     def kwargs(self) -> dict:
-        """As keywords of ``SandboxBackend.start`` / ``WarmPool.acquire``."""
-        return {"cpus": self.cpus, "memory_mb": self.memory_mb, "network": self.network, "disk_mb": self.disk_mb}
+        """As keywords of ``SandboxBackend.start`` / ``WarmPool.acquire`` (``services`` only when set)."""
+        kw = {"cpus": self.cpus, "memory_mb": self.memory_mb, "network": self.network, "disk_mb": self.disk_mb}
+        return {**kw, "services": self.services} if self.services is not None else kw
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """Terminal-Bench 1.x task folders.
 
-A folder holds ``task.yaml``, the environment as a ``Dockerfile`` or a single-service
-``docker-compose.yaml`` whose service is built from the folder, the hidden ``run-tests.sh`` and
+A folder holds ``task.yaml``, the environment as a ``Dockerfile`` or a ``docker-compose.yaml``
+whose services are built from the folder, the hidden ``run-tests.sh`` and
 ``tests/``, and the reference solution ``solution.sh`` or ``solution.yaml``.
 ``load_terminal_tasks(dir)`` loads every folder under ``dir``; a broken folder does not stop the
 others: it is returned in the error list with a message naming the file and the field.
@@ -28,8 +28,12 @@ Verification (``envs/verify.py``): with ``run-tests.sh``, as the upstream harnes
 ``bash /oracle/solution.sh`` in the agent's persistent shell (started in the image's WORKDIR); a
 ``solution.yaml`` is turned into the equivalent script (``solution_yaml_script``).
 
-Not supported (load errors): compose files with more than one service (tasks that need a
-database or a second host), a ``parser_name`` upstream does not have.
+A multi-service ``docker-compose.yaml`` (a server or database beside the agent) runs through Docker
+Compose itself, as upstream's ``DockerComposeManager``: the agent acts in ``client``, the other
+services run beside it (``DockerBackend.start`` with ``SandboxLimits.services``).
+
+Not supported (load errors): a compose service not built from the task folder (a registry image
+cannot be pulled here), a ``parser_name`` upstream does not have.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ from typing import TYPE_CHECKING, ClassVar
 import yaml
 
 from envs.parsers import PARSERS
-from envs.task import SandboxLimits, Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
+from envs.task import ComposeServices, SandboxLimits, Task, TaskError, TerminalTask, Verdict, is_finite, read_task_text
 from envs.verify import verify_run_tests, verify_terminal
 
 SUPPORTED_PARSERS = tuple(PARSERS)
 ORACLE_PATH = "/oracle/solution.sh"
+COMPOSE_MAIN = "client"
+"""The service the agent acts in, in a multi-service compose file (upstream's ``client``)."""
 """Where upstream's oracle agent puts ``solution.sh`` (``OracleAgent.perform_task``)."""
 
 if TYPE_CHECKING:
@@ -145,40 +151,65 @@ def solution_yaml_script(path: Path) -> str:
     return "#!/bin/bash\n" + "".join(line + "\n" for line in lines)
 
 
-def _compose_dockerfile(folder: Path) -> str:
-    """The Dockerfile path (relative to ``folder``) of a single-service ``docker-compose.yaml``.
+def compose_file(folder: Path) -> Path | None:
+    """``folder``'s ``docker-compose.yaml`` (or ``.yml``); None when it has none."""
+    return next((folder / n for n in ("docker-compose.yaml", "docker-compose.yml") if (folder / n).is_file()), None)
+
+
+def _service_build(path: Path, name: str, service: object) -> tuple[Path, str]:
+    """``(context folder, Dockerfile path in it)`` of compose service ``name``; TaskError naming the field."""
+    build = service.get("build") if isinstance(service, dict) else None
+    if build is None:
+        raise TaskError(f"{path}: field 'services.{name}.build' missing (every service must be built from the "
+                        "task folder: a registry image cannot be pulled here)")
+    if isinstance(build, str):
+        build = {"context": build}
+    if not isinstance(build, dict):
+        raise TaskError(f"{path}: field 'services.{name}.build' must be a path or a mapping")
+    context = (path.parent / str(build.get("context", "."))).resolve()
+    if not context.is_dir() or not context.is_relative_to(path.parent.resolve()):
+        raise TaskError(f"{path}: field 'services.{name}.build.context' must be a folder inside the task folder, "
+                        f"got {build.get('context')!r}")
+    dockerfile = str(build.get("dockerfile", "Dockerfile"))
+    if not (context / dockerfile).is_file():
+        raise TaskError(f"{path}: field 'services.{name}.build.dockerfile' names {dockerfile!r}, "
+                        f"which is not a file in {context}")
+    return context, dockerfile
+
+
+def compose_build(path: Path, main: str | None = None,
+                  service: str | None = None) -> tuple[Path, str, ComposeServices | None]:
+    """The agent's image build (or ``service``'s) and the other services of compose file ``path``.
+
+    One service: that service, built from the task folder (``services`` None). More than one: the
+    agent's is ``main`` (Terminal-Bench's ``client``); every service must be built from a folder
+    of the task (each is checked here, so a broken one fails at load).
+
+    Returns:
+        ``(context folder, Dockerfile path in it, services or None)``.
 
     Raises:
-        TaskError: not YAML, not exactly one service, or a service that is not built from this
-            folder (``image:`` alone names a registry image we cannot pull).
+        TaskError: not YAML, no services, a service not built from the task folder, or more than
+            one service with no ``main`` among them (or ``main`` None: multi-service unsupported).
     """
-    path = next(folder / n for n in ("docker-compose.yaml", "docker-compose.yml") if (folder / n).is_file())
     try:
         spec = yaml.safe_load(read_task_text(path))
     except yaml.YAMLError as e:
         raise TaskError(f"{path}: not valid YAML: {e}") from e
     services = spec.get("services") if isinstance(spec, dict) else None
-    if not isinstance(services, dict) or len(services) != 1:
-        n = len(services) if isinstance(services, dict) else 0
-        raise TaskError(f"{path}: field 'services' must hold exactly one service, found {n} "
-                        "(multi-service tasks are not supported)")
-    (name, service), = services.items()
-    build = service.get("build") if isinstance(service, dict) else None
-    if build is None:
-        raise TaskError(f"{path}: field 'services.{name}.build' missing (the image must be built from the task folder)")
-    if isinstance(build, str):
-        build = {"context": build}
-    if not isinstance(build, dict):
-        raise TaskError(f"{path}: field 'services.{name}.build' must be a path or a mapping")
-    context = (folder / str(build.get("context", "."))).resolve()
-    if context != folder.resolve():
-        raise TaskError(f"{path}: field 'services.{name}.build.context' must be the task folder ('.'), "
-                        f"got {build.get('context')!r}")
-    dockerfile = str(build.get("dockerfile", "Dockerfile"))
-    if not (folder / dockerfile).is_file():
-        raise TaskError(f"{path}: field 'services.{name}.build.dockerfile' names {dockerfile!r}, "
-                        f"which is not a file in {folder}")
-    return dockerfile
+    if not isinstance(services, dict) or not services:
+        raise TaskError(f"{path}: field 'services' must hold at least one service")
+    if len(services) == 1:
+        (name, service), = services.items()
+        context, dockerfile = _service_build(path, name, service)
+        return (path.parent if context == path.parent.resolve() else context), dockerfile, None
+    if main is None or main not in services:
+        raise TaskError(f"{path}: field 'services' holds {len(services)} services and none is "
+                        + (f"'{main}' (the service the agent acts in)" if main else
+                           "usable here (multi-service tasks are not supported for this format)"))
+    builds = {name: _service_build(path, name, spec) for name, spec in services.items()}
+    context, dockerfile = builds[service or main]
+    return context, dockerfile, ComposeServices(file=path, main=main)
 
 
 def load_terminal_task(folder: Path) -> Task:
@@ -198,8 +229,9 @@ def load_terminal_task(folder: Path) -> Task:
         raise TaskError(f"{spec_path}: not valid YAML: {e}") from e
     if not isinstance(spec, dict):
         raise TaskError(f"{spec_path}: expected a mapping at top level, got {type(spec).__name__}")
-    if (folder / "docker-compose.yaml").is_file() or (folder / "docker-compose.yml").is_file():
-        dockerfile = _compose_dockerfile(folder)
+    context, services = folder, None
+    if (compose := compose_file(folder)) is not None:
+        context, dockerfile, services = compose_build(compose, main=COMPOSE_MAIN)
     elif (folder / "Dockerfile").is_file():
         dockerfile = "Dockerfile"
     else:
@@ -246,7 +278,7 @@ def load_terminal_task(folder: Path) -> Task:
     return TerminalBenchTask(
         task_id=f"tb/{folder.name}",
         instruction=instruction.strip(),
-        build_context=folder,
+        build_context=context,
         tests_dir=folder / "tests",
         agent_timeout_s=agent_timeout_s,
         command_timeout_s=seconds("per_command_timeout_sec", agent_timeout_s),
@@ -261,7 +293,7 @@ def load_terminal_task(folder: Path) -> Task:
         run_tests_in_same_shell=same_shell,
         # upstream's compose file puts the container on compose's default network (the internet); no
         # CPU or memory limit unless the compose file sets one (the backend's default: none)
-        limits=SandboxLimits(network=True),
+        limits=SandboxLimits(network=True, services=services),
     )
 
 

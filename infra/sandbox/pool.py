@@ -56,8 +56,13 @@ class WarmPool:
         return (image, cpus, memory_mb, network, disk_mb)
 
     def ensure(self, image: str, n: int, cpus: float | None = None, memory_mb: int | None = None,
-               network: bool = False, disk_mb: int | None = None) -> None:
-        """Declare demand: keep ``n`` (capped at ``max_idle_per_image``) ready sandboxes of this kind."""
+               network: bool = False, disk_mb: int | None = None, services=None) -> None:
+        """Declare demand: keep ``n`` (capped at ``max_idle_per_image``) ready sandboxes of this kind.
+
+        A multi-service task's (``services``) is not kept warm: each start is a compose project.
+        """
+        if services is not None:
+            return
         key = self._key(image, cpus, memory_mb, network, disk_mb)
         with self._lock:
             self._target[key] = min(n, self.max_idle)
@@ -91,8 +96,8 @@ class WarmPool:
 
     def acquire(self, image: str, labels: dict[str, str] | None = None, cpus: float | None = None,
                 memory_mb: int | None = None, network: bool = False,
-                disk_mb: int | None = None) -> tuple[DockerSandbox, bool]:
-        """A started sandbox of ``image`` with these limits.
+                disk_mb: int | None = None, services=None) -> tuple[DockerSandbox, bool]:
+        """A started sandbox of ``image`` with these limits (a multi-service task's: always a cold start).
 
         Returns:
             (sandbox, warm): ``warm`` True when it came from the pool.
@@ -100,6 +105,12 @@ class WarmPool:
         Raises:
             SandboxInfraError: a cold start failed (``sandbox_start_failed``).
         """
+        if services is not None:
+            box = self.backend.start(image, {"agentrl.pool": "cold", **(labels or {})}, cpus=cpus,
+                                     memory_mb=memory_mb, network=network, disk_mb=disk_mb, services=services)
+            with self._lock:
+                self.stats["cold"] += 1
+            return box, False
         key = self._key(image, cpus, memory_mb, network, disk_mb)
         box = None
         while True:

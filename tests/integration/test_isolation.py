@@ -17,6 +17,7 @@ from envs.task import Outcome
 from envs.verify import verify_harbor
 from infra.environments import BASE_IMAGE, build_catalog
 from infra.sandbox.base import SandboxInfraError
+from tests.integration.test_sandbox import AGENT_CAP_EFF
 
 ROOT = Path(__file__).parents[2]
 HARBOR = ROOT / "envs" / "harbor"
@@ -79,7 +80,7 @@ def test_tmp_fill_is_bounded_and_host_files_invisible(boxes, backend):
     out = box.exec(f"ls {ROOT} /var/run/docker.sock 2>&1; hostname", 5).output
     assert out.count("No such file") == 2 and socket.gethostname() not in out
     caps = box.exec("grep -E 'CapEff|NoNewPrivs' /proc/self/status", 5).output.split()
-    assert caps == ["CapEff:", "0000000000000000", "NoNewPrivs:", "1"]
+    assert caps == ["CapEff:", AGENT_CAP_EFF, "NoNewPrivs:", "1"]
 
 
 def test_disk_fill_is_bounded(boxes, backend):

@@ -120,6 +120,27 @@ def test_compose_task_builds_from_its_single_service():
     assert t.dockerfile == "Dockerfile" and t.task_format == "terminal-bench" and t.solution
 
 
+def test_multi_service_compose_task_acts_in_client(tmp_path):
+    from envs.task import ComposeServices, SandboxLimits
+    from envs.terminal_bench import load_terminal_task
+
+    d = tmp_path / "two"
+    shutil.copytree(TERMINAL / "csv-column", d)
+    for name in ("client", "server"):
+        (d / name).mkdir()
+        (d / name / "Dockerfile").write_text("FROM agentrl-base:bookworm\n")
+    (d / "docker-compose.yaml").write_text("services:\n  client:\n    build: {context: client}\n"
+                                           "  server:\n    build: {context: server, dockerfile: Dockerfile}\n")
+    t = load_terminal_task(d)
+    assert t.image_build() == (d / "client", "Dockerfile")
+    assert t.limits.services == ComposeServices(file=d / "docker-compose.yaml", main="client")
+    assert t.limits.kwargs()["services"] is t.limits.services
+    assert "services" not in SandboxLimits(network=True).kwargs()  # one container: the keywords as before
+    (d / "server" / "Dockerfile").unlink()  # a broken sidecar fails at load, naming its field
+    with pytest.raises(Exception, match=r"services.server.build.dockerfile' names 'Dockerfile'"):
+        load_terminal_task(d)
+
+
 def _harbor_copy(tmp_path, name="t"):
     dst = tmp_path / name
     shutil.copytree(HARBOR / "write-greeting", dst)
@@ -165,7 +186,9 @@ def test_bad_harbor_task_names_file_and_field(tmp_path, mutate, message):
      "task.yaml: field 'parser_name' is 'junit', which is not supported; supported: pytest, swebench"),
     (lambda d: (d / "task.yaml").write_text("difficulty: easy\n"), "task.yaml: field 'instruction' must be"),
     (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: .}\n  db: {image: postgres}\n"),
-     "docker-compose.yaml: field 'services' must hold exactly one service, found 2"),
+     "docker-compose.yaml: field 'services' holds 2 services and none is 'client'"),
+    (lambda d: (d / "docker-compose.yaml").write_text("services:\n  client: {build: .}\n  db: {image: postgres}\n"),
+     "docker-compose.yaml: field 'services.db.build' missing (every service must be built from the task folder"),
     (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {image: ubuntu}\n"),
      "docker-compose.yaml: field 'services.a.build' missing"),
     (lambda d: (d / "docker-compose.yaml").write_text("services:\n  a: {build: {dockerfile: Nope}}\n"),
