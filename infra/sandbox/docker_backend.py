@@ -3,12 +3,13 @@
 Isolation guaranteed here: no network unless the task has it (Terminal-Bench and Harbor tasks do,
 as upstream: the ``agentrl-internet`` bridge, which reaches the outside but no port of the host), every
 capability dropped but what package installs need (``AGENT_CAPABILITIES``), ``no-new-privileges``,
-a pids limit, memory/CPU limits when the task (or the run's ``tasks.default_*``) sets them, a per-container disk limit on a btrfs engine (``/tmp`` is then
-the image's own, as under ``docker run``; without a quota it is a size-limited tmpfs, which the
-engine's archive API, and so ``put_file``/``get_file``, cannot see), every container labelled
-``agentrl=1`` plus the owning process (``agentrl.owner``) so the leftovers of a crashed run are
-reaped by label. Not guaranteed: protection against kernel exploits (containers share the host
-kernel), or, without a quota (overlay2 on ext4), a bound on what the agent writes outside ``/tmp``.
+a pids limit, memory/CPU limits when the task (or the run's ``tasks.default_*``) sets them, a
+per-container disk limit on a btrfs engine (``/tmp`` is then the image's own, as under ``docker
+run``; without a quota it is a size-limited tmpfs, which the engine's archive API, and so
+``put_file``/``get_file``, cannot see), every container labelled ``agentrl=1`` plus the owning
+process (``agentrl.owner``) so the leftovers of a crashed run are reaped by label. Not guaranteed:
+protection against kernel exploits (containers share the host kernel), or, without a quota
+(overlay2 on ext4), a bound on what the agent writes outside ``/tmp``.
 
 Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here; those
 with a local equivalent (``infra.base_images``) get it, built once and tagged with the upstream name;
