@@ -29,8 +29,12 @@ Verification and the reference run follow Harbor (``envs/verify.py``, ``verify_h
 ``harbor/agents/oracle.py``, ``OracleAgent.run``): the whole ``solution/`` folder is uploaded to
 ``/solution`` and ``/solution/solve.sh`` runs directly, in the image's WORKDIR.
 
-Unknown keys are ignored, as Harbor ignores them. Not supported (load errors):
-``environment/docker-compose.yaml`` with more than one service, multi-step tasks (``steps/``),
+An ``environment/docker-compose.yaml`` with more services runs through Docker Compose, as Harbor
+merges it over its base file: the agent acts in ``main`` (built from ``environment/Dockerfile``
+unless the file builds it otherwise), the others beside it (``infra.sandbox.compose``).
+
+Unknown keys are ignored, as Harbor ignores them. Not supported (load errors): a compose service
+not built from the task folder, multi-step tasks (``steps/``),
 ``network_mode = "allowlist"``, ``[environment] workdir`` (a WORKDIR override the sandbox cannot
 apply to the agent's commands).
 """
@@ -51,6 +55,8 @@ if TYPE_CHECKING:
     from infra.sandbox.base import ExecResult, Sandbox
 
 SOLUTION_DIR = "/solution"
+COMPOSE_MAIN = "main"
+"""The service the agent acts in, in a multi-service ``environment/docker-compose.yaml`` (Harbor's)."""
 """Where Harbor's oracle uploads ``solution/`` (``EnvironmentPaths.solution_dir``)."""
 
 
@@ -156,10 +162,13 @@ def load_harbor_task(folder: Path) -> Task:
     if not instruction_path.is_file() or not read_task_text(instruction_path).strip():
         raise TaskError(f"{instruction_path}: missing or empty (the instruction the agent is given)")
     env_dir = folder / "environment"
+    context, services = env_dir, None
     if (env_dir / "docker-compose.yaml").is_file():
         from envs.terminal_bench import compose_build
 
-        _, dockerfile, _ = compose_build(env_dir / "docker-compose.yaml")  # one service; several: unsupported
+        default = (env_dir, "Dockerfile") if (env_dir / "Dockerfile").is_file() else None
+        context, dockerfile, services = compose_build(env_dir / "docker-compose.yaml", main=COMPOSE_MAIN,
+                                                      main_build=default)
     elif (env_dir / "Dockerfile").is_file():
         dockerfile = "Dockerfile"
     else:
@@ -207,7 +216,7 @@ def load_harbor_task(folder: Path) -> Task:
     return HarborTask(
         task_id=f"harbor/{folder.name}",
         instruction=read_task_text(instruction_path).strip(),
-        build_context=env_dir,
+        build_context=context,
         tests_dir=folder / "tests",
         agent_timeout_s=agent_timeout_s,
         command_timeout_s=seconds("agent", "command_timeout_sec", agent_timeout_s),
@@ -217,7 +226,7 @@ def load_harbor_task(folder: Path) -> Task:
         dockerfile=dockerfile,
         solution=read_task_text(solution) if solution.is_file() else None,
         limits=SandboxLimits(cpus=float(cpus) if cpus is not None else None, memory_mb=memory_mb,
-                             network=network, disk_mb=disk_mb),
+                             network=network, disk_mb=disk_mb, services=services),
         setup_command=setup_command.strip(),
         solution_dir=solution.parent if solution.is_file() else None,
         verifier_env=_env_table(section("verifier").get("env", {}), f"{spec_path}: field 'verifier.env'"),

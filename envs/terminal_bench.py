@@ -177,13 +177,15 @@ def _service_build(path: Path, name: str, service: object) -> tuple[Path, str]:
     return context, dockerfile
 
 
-def compose_build(path: Path, main: str | None = None,
-                  service: str | None = None) -> tuple[Path, str, ComposeServices | None]:
+def compose_build(path: Path, main: str | None = None, service: str | None = None,
+                  main_build: tuple[Path, str] | None = None) -> tuple[Path, str, ComposeServices | None]:
     """The agent's image build (or ``service``'s) and the other services of compose file ``path``.
 
     One service: that service, built from the task folder (``services`` None). More than one: the
-    agent's is ``main`` (Terminal-Bench's ``client``); every service must be built from a folder
-    of the task (each is checked here, so a broken one fails at load).
+    agent's is ``main`` (Terminal-Bench's ``client``, Harbor's ``main``); every service must be
+    built from a folder of the task (each is checked here, so a broken one fails at load).
+    ``main_build``: the agent's build when its entry has no ``build`` (Harbor merges the task's file
+    over a base whose ``main`` is built from ``environment/Dockerfile``).
 
     Returns:
         ``(context folder, Dockerfile path in it, services or None)``.
@@ -199,17 +201,25 @@ def compose_build(path: Path, main: str | None = None,
     services = spec.get("services") if isinstance(spec, dict) else None
     if not isinstance(services, dict) or not services:
         raise TaskError(f"{path}: field 'services' must hold at least one service")
+    def build_of(name: str, spec: object) -> tuple[Path, str]:
+        if name == main and main_build is not None and not (isinstance(spec, dict) and "build" in spec):
+            return main_build
+        return _service_build(path, name, spec)
+
     if len(services) == 1:
-        (name, service), = services.items()
-        context, dockerfile = _service_build(path, name, service)
-        return (path.parent if context == path.parent.resolve() else context), dockerfile, None
+        (name, spec), = services.items()
+        context, dockerfile = build_of(name, spec)
+        return (path.parent if context.resolve() == path.parent.resolve() else context), dockerfile, None
     if main is None or main not in services:
         raise TaskError(f"{path}: field 'services' holds {len(services)} services and none is "
                         + (f"'{main}' (the service the agent acts in)" if main else
                            "usable here (multi-service tasks are not supported for this format)"))
-    builds = {name: _service_build(path, name, spec) for name, spec in services.items()}
-    context, dockerfile = builds[service or main]
-    return context, dockerfile, ComposeServices(file=path, main=main)
+    if service is not None:  # one service's build (the others were checked when the task loaded)
+        context, dockerfile = build_of(service, services[service])
+    else:
+        builds = {name: build_of(name, spec) for name, spec in services.items()}
+        context, dockerfile = builds[main]
+    return context, dockerfile, ComposeServices(file=path.resolve(), main=main)
 
 
 def load_terminal_task(folder: Path) -> Task:

@@ -1,8 +1,8 @@
 """Multi-service tasks through Docker Compose on a real dockerd (infra/sandbox/compose.py).
 
-One task written here that validates end to end (a client and a server it must query), and the real
-Terminal-Bench ``simple-web-scraper`` (vendored verbatim, tests/fixtures/real_tasks) whose reference
-solution scrapes its second service.
+One task written here that validates end to end (a client and a server it must query), and two
+real ones vendored verbatim (tests/fixtures/real_tasks) whose reference solutions use their second
+service: Terminal-Bench's ``simple-web-scraper`` and Harbor's cookbook ``multi-container``.
 """
 
 from __future__ import annotations
@@ -133,5 +133,26 @@ def test_real_two_service_task_runs_its_solution_against_its_server(backend):
         books = box.get_file("/app/books.csv")
         assert books is not None, r.output
         assert b"The Great Gatsby" in books and b"F. Scott Fitzgerald" in books, books
+    finally:
+        box.close()
+
+
+def test_real_harbor_multi_container_task_runs_its_solution_against_its_api(backend):
+    """Harbor's cookbook multi-container: main (no build of its own: environment/Dockerfile) and a Flask api-server."""
+    tasks, errors = load_taskset(FIXTURES / "harbor")
+    assert errors == []
+    (task,) = tasks
+    assert task.limits.services is not None and task.limits.services.main == "main"
+    entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"}, max_parallel_builds=1)
+    (entry,) = entries
+    log = logs[task.task_id]
+    assert "service api-server:" in log and entry.image, log[-3000:]
+    assert (entry.usable, entry.cause) == (False, "unreachable_host"), (entry, log[-3000:])
+    assert entry.fix == "needs astral.sh, which this machine cannot reach"
+    box = backend.start(entry.image, {"agentrl.test": "compose"}, **task.limits.kwargs())
+    try:
+        r = task.run_solution(box)
+        items = box.get_file("/app/items.json")
+        assert items is not None and b'"harbor"' in items, (r.output, items)
     finally:
         box.close()

@@ -133,7 +133,7 @@ def test_multi_service_compose_task_acts_in_client(tmp_path):
                                            "  server:\n    build: {context: server, dockerfile: Dockerfile}\n")
     t = load_terminal_task(d)
     assert t.image_build() == (d / "client", "Dockerfile")
-    assert t.limits.services == ComposeServices(file=d / "docker-compose.yaml", main="client")
+    assert t.limits.services == ComposeServices(file=(d / "docker-compose.yaml").resolve(), main="client")
     assert t.limits.kwargs()["services"] is t.limits.services
     assert "services" not in SandboxLimits(network=True).kwargs()  # one container: the keywords as before
     (d / "server" / "Dockerfile").unlink()  # a broken sidecar fails at load, naming its field
