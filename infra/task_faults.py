@@ -64,11 +64,30 @@ _FETCHING_STEP = re.compile(r"\b(apt-get|apt|apk|pip3?|uv|curl|wget|git\s+clone|
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$", re.MULTILINE)
 
 
+# Messages that name a host without saying why it failed; counted when the log also shows a name lookup
+# failing: pip names only the index it looks in (then "NewConnectionError ... Name or service not
+# known" for a path), uv/reqwest names the URL (then "dns error").
+_LOOKUP_FAILED = re.compile(r"Name or service not known|Temporary failure in name resolution|dns error|"
+                            r"No address associated with hostname")
+_NAMED_HOST = re.compile(r"Looking in (?:indexes|links): ((?:https?://[^\s,]+[, ]*)+)|"
+                         r"error sending request for url \(https?://([A-Za-z0-9.-]+)[/:)]")
+
+
 def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT) -> list[str]:
     """Hosts ``log`` says could not be resolved or reached, in order of first mention (reachable ones left out)."""
+    text = strip_ansi(log)
+    found: list[tuple[int, str]] = []
+    for m in _HOST.finditer(text):
+        found.append((m.start(), next(g for g in m.groups() if g)))
+    if _LOOKUP_FAILED.search(text):
+        for m in _NAMED_HOST.finditer(text):
+            if m.group(1):
+                found += [(m.start(), h) for h in re.findall(r"https?://([A-Za-z0-9.-]+)", m.group(1))]
+            else:
+                found.append((m.start(), m.group(2)))
     hosts: list[str] = []
-    for m in _HOST.finditer(strip_ansi(log)):
-        host = next(g for g in m.groups() if g).rstrip(".")
+    for _, host in sorted(found, key=lambda f: f[0]):
+        host = host.rstrip(".")
         if host not in hosts and host not in reachable and "." in host:
             hosts.append(host)
     return hosts

@@ -16,6 +16,27 @@ WGET = ("Resolving training.lczero.org (training.lczero.org)... failed: Temporar
         "wget: unable to resolve host address ‘training.lczero.org’")
 
 
+# pip with an --index-url it cannot resolve names the index once, then only paths (pip 25, captured here)
+PIP_INDEX = ("Looking in indexes: https://download.pytorch.org/whl/cpu\nWARNING: Retrying (Retry(total=4, "
+             "connect=None, read=None, redirect=None, status=None)) after connection broken by 'NewConnectionError("
+             "'<pip._vendor.urllib3.connection.HTTPSConnection object at 0x7f79996356a0>: Failed to establish a new "
+             "connection: [Errno -2] Name or service not known')': /whl/cpu/torch/\nERROR: Could not find a version "
+             "that satisfies the requirement torch==2.7.0 (from versions: none)\n")
+# uv 0.8.14 fetching a managed Python (captured here)
+UV_PYTHON = ("error: Failed to install cpython-3.13.7-linux-x86_64-gnu\n  Caused by: Request failed after 3 retries\n"
+             "  Caused by: error sending request for url (https://github.com/astral-sh/python-build-standalone/releases"
+             "/download/20250828/cpython-3.13.7.tar.gz)\n  Caused by: client error (Connect)\n  Caused by: dns error\n"
+             "  Caused by: failed to lookup address information: Name or service not known\n")
+
+
+def test_hosts_named_only_beside_a_failed_lookup_are_found():
+    assert unreachable_hosts(PIP_INDEX) == ["download.pytorch.org"]
+    assert unreachable_hosts(UV_PYTHON) == ["github.com"]
+    # the same lines without a failed name lookup (a 404, a TLS error) name no unreachable host
+    assert unreachable_hosts(PIP_INDEX.replace("Name or service not known", "Connection refused")) == []
+    assert unreachable_hosts("Looking in indexes: https://pypi.org/simple\nName or service not known") == []
+
+
 def test_hosts_named_by_curl_git_requests_are_found_and_reachable_ones_are_not():
     assert unreachable_hosts(WGET) == ["training.lczero.org"]
     assert unreachable_hosts(f"{CURL}\n{GIT}\n{REQUESTS}\n{CURL}") == ["astral.sh", "github.com", "huggingface.co"]
