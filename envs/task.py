@@ -192,11 +192,15 @@ class TerminalTask(Task):
         """The reference solution run as the format's oracle runs it (``run_solution``), then the task's verifier."""
         if not with_solution or self.solution is None:
             return self.verify(sandbox, "")
+        from infra.task_faults import unreachable_hosts
+
         r = self.run_solution(sandbox)
+        # hosts the solution could not reach, named from its whole output (only its tail is kept)
+        reach = "".join(f"solution could not reach host: {h}\n" for h in unreachable_hosts(r.output))
         if r.timed_out:
-            return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", r.output[-2000:])
+            return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", reach + r.output[-2000:])
         v = self.verify(sandbox, "")
-        return Verdict(v.reward, v.outcome, v.reason, f"solution exit {r.exit_code}: {r.output[-300:]}\n"
+        return Verdict(v.reward, v.outcome, v.reason, f"{reach}solution exit {r.exit_code}: {r.output[-300:]}\n"
                                                       f"verifier: {v.log}")
 
     def verification_parts(self) -> list[str]:

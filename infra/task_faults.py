@@ -51,6 +51,8 @@ _HOST_PATTERNS = (
     r"getaddrinfo .*?([A-Za-z0-9-]+\.[A-Za-z0-9.-]+)",
     r"unable to resolve host address [‘'\"]([A-Za-z0-9.-]+)",  # wget
     r"Resolving ([A-Za-z0-9.-]+) \([^)]*\)\.\.\. failed",  # wget
+    r"couldn't connect to '?https?://([A-Za-z0-9.-]+)",  # huggingface_hub / transformers offline
+    r"solution could not reach host: ([A-Za-z0-9.-]+)",  # envs.task.TerminalTask.reference
 )
 _HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
 # Hosts that are reachable here: a message naming one is not an unreachable-host failure.

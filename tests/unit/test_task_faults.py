@@ -83,3 +83,31 @@ def test_load_errors_unsupported_feature_apart_from_malformed():
 def test_colour_codes_are_stripped():
     assert strip_ansi("\x1b[1m\x1b[31mERROR\x1b[0m: x\x1b]0;title\x07 done\x1b[2K") == "ERROR: x done"
     assert failing_step("\x1b[1mStep 1/2 : FROM a\x1b[0m\nStep 2/2 : RUN b\n") == "Step 2/2: RUN b"
+
+
+def test_a_host_the_reference_solution_could_not_reach_makes_it_unreachable_host(tmp_path):
+    """The solution's whole output is searched (TerminalTask.reference keeps one line per host, then its tail)."""
+    from envs.task import Outcome
+    from envs.terminal_bench import load_terminal_task
+    from tests.fakes import InMemorySandbox
+
+    d = tmp_path / "t"
+    (d / "tests").mkdir(parents=True)
+    (d / "task.yaml").write_text("instruction: x\n")
+    (d / "Dockerfile").write_text("FROM agentrl-base:bookworm\n")
+    (d / "run-tests.sh").write_text("pytest $TEST_DIR/test_outputs.py -rA\n")
+    (d / "tests" / "test_outputs.py").write_text("def test_x():\n    assert False\n")
+    (d / "solution.sh").write_text("python3 fetch_model.py\n")
+    hf = ("OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+          "the cached files.\n" + "x" * 2000 + "\nTraceback tail\n")
+    pane = "=========================== short test summary info ===========================\nFAILED t::test_x\n"
+
+    def exec_fn(box, command):
+        if command.startswith("bash /tests/run-tests.sh"):
+            box.files["/agentrl-run-tests.log"] = pane.encode()
+        return (1, hf, 1.0, False) if "solution" in command else (0, "", 0.0, False)
+
+    v = load_terminal_task(d).reference(InMemorySandbox("m", "img", {}, {}, exec_fn), True)
+    assert v.outcome == Outcome.MODEL_FAILURE and "solution could not reach host: huggingface.co" in v.log
+    assert classify(f"validation failed: reference solution scored 0.0 (tests_failed): {v.log[-500:]}", v.log,
+                    "failed") == ("unreachable_host", "needs huggingface.co, which this machine cannot reach")
