@@ -115,18 +115,41 @@ def _from_images(dockerfile: str) -> list[str]:
     return [m.group(3) for m in _FROM.finditer(dockerfile) if m.group(3).lower() not in stages]
 
 
+_COPY_SOURCES = re.compile(r"^\s*(?:COPY|ADD)\s+(?:--\S+\s+)*(.+)$", re.IGNORECASE | re.MULTILINE)
+
+
+def copied_hidden(dockerfile: str) -> set[str]:
+    """Hidden paths (``_HIDDEN`` or under them) the Dockerfile's own ``COPY``/``ADD`` lines name as sources.
+
+    Upstream builds from the whole folder, so ``COPY tests/create_dataset.py ./`` works there (the
+    file is in the image either way); such named paths stay in the context, the rest stays out.
+    """
+    named: set[str] = set()
+    for m in _COPY_SOURCES.finditer(dockerfile):
+        line = m.group(1).strip()
+        words = [w.strip('",[]') for w in re.split(r"[\s,]+", line) if w.strip('",[]')]
+        for src in words[:-1]:  # the last word is the destination
+            src = src.removeprefix("./")
+            if src.split("/", 1)[0] in _HIDDEN:
+                named.add(src.rstrip("/"))
+    return named
+
+
 def _context_tar(folder: Path, dockerfile: str = "Dockerfile",
                  rewrite: dict[str, str] | None = None) -> tuple[bytes, str]:
-    """Deterministic tar of a build context (hidden files excluded) and its sha256.
+    """Deterministic tar of a build context (hidden files excluded, unless the Dockerfile copies them) and its sha256.
 
     ``rewrite`` replaces files' contents by relative path (the Dockerfile after base-image mapping).
     """
     buf = io.BytesIO()
     rewrite = rewrite or {}
+    text = rewrite.get(dockerfile) or ((folder / dockerfile).read_text() if (folder / dockerfile).is_file() else "")
+    keep = copied_hidden(text)
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for path in sorted(folder.rglob("*")):
             rel = path.relative_to(folder)
-            if rel.parts[0] in _HIDDEN or not path.is_file():
+            kept = any(str(rel) == k or str(rel).startswith(k + "/") or fnmatch.fnmatch(str(rel), k) for k in keep)
+            if (rel.parts[0] in _HIDDEN and not kept) or not path.is_file():
                 continue
             info = tarfile.TarInfo(str(rel))
             data = rewrite[str(rel)].encode() if str(rel) in rewrite else path.read_bytes()
