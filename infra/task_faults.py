@@ -52,6 +52,8 @@ _HOST_PATTERNS = (
     r"unable to resolve host address [‘'\"]([A-Za-z0-9.-]+)",  # wget
     r"Resolving ([A-Za-z0-9.-]+) \([^)]*\)\.\.\. failed",  # wget
     r"couldn't connect to '?https?://([A-Za-z0-9.-]+)",  # huggingface_hub / transformers offline
+    r"(?:Name or service not known|Temporary failure in name resolution)'? thrown while requesting \w+ "
+    r"https?://([A-Za-z0-9.-]+)",  # huggingface_hub 1.x (httpx)
     r"solution could not reach host: ([A-Za-z0-9.-]+)",  # envs.task.TerminalTask.reference
 )
 _HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
@@ -72,7 +74,8 @@ _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$", re.MULTILINE)
 _LOOKUP_FAILED = re.compile(r"Name or service not known|Temporary failure in name resolution|dns error|"
                             r"No address associated with hostname")
 _NAMED_HOST = re.compile(r"Looking in (?:indexes|links): ((?:https?://[^\s,]+[, ]*)+)|"
-                         r"error sending request for url \(https?://([A-Za-z0-9.-]+)[/:)]")
+                         r"error sending request for url \(https?://([A-Za-z0-9.-]+)[/:)]|"
+                         r"^\s*GET https?://([A-Za-z0-9.-]+)", re.MULTILINE)  # GET: a fetch script's progress line
 
 
 def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT) -> list[str]:
@@ -86,7 +89,7 @@ def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT)
             if m.group(1):
                 found += [(m.start(), h) for h in re.findall(r"https?://([A-Za-z0-9.-]+)", m.group(1))]
             else:
-                found.append((m.start(), m.group(2)))
+                found.append((m.start(), m.group(2) or m.group(3)))
     hosts: list[str] = []
     for _, host in sorted(found, key=lambda f: f[0]):
         host = host.rstrip(".")

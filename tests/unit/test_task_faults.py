@@ -29,7 +29,17 @@ UV_PYTHON = ("error: Failed to install cpython-3.13.7-linux-x86_64-gnu\n  Caused
              "  Caused by: failed to lookup address information: Name or service not known\n")
 
 
+# a Harbor media task's fetch script at build time (huggingface_hub 1.x, then urllib; captured here)
+FETCH_MEDIA = ("    HF mm-tbench/mmtb-media:x/y.mp4 ...\n'[Errno -2] Name or service not known' thrown while "
+               "requesting "
+               "HEAD https://huggingface.co/datasets/mm-tbench/mmtb-media/resolve/main/x/y.mp4\n    HF download "
+               "failed: An error happened while trying to locate the file on the Hub and we cannot find the requested "
+               "files in the local cache.\n    GET https://download.blender.org/demo/movies/x.mp4 ...\n    download "
+               "failed: <urlopen error [Errno -2] Name or service not known>\n")
+
+
 def test_hosts_named_only_beside_a_failed_lookup_are_found():
+    assert unreachable_hosts(FETCH_MEDIA) == ["huggingface.co", "download.blender.org"]
     assert unreachable_hosts(PIP_INDEX) == ["download.pytorch.org"]
     assert unreachable_hosts(UV_PYTHON) == ["github.com"]
     # the same lines without a failed name lookup (a 404, a TLS error) name no unreachable host
