@@ -24,6 +24,7 @@ project down.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -88,19 +89,20 @@ def override(services: ComposeServices, tags: dict[str, str], labels: dict[str, 
     return out
 
 
-_HOST_BLOCKED: list[bool] = []  # checked once per process
-
-
+@functools.cache  # checked once per process
 def host_blocked() -> bool:
     """Whether the host drops new connections from compose bridges (``infra.services.HOST_BLOCK_RULE``)."""
-    if not _HOST_BLOCKED:
-        from infra.services import HOST_BLOCK_RULE
+    from infra.services import HOST_BLOCK_RULE
 
-        iptables = shutil.which("iptables") or shutil.which("iptables", path="/usr/sbin:/sbin")
-        ok = iptables is not None and subprocess.run([iptables, "-C", "INPUT", *HOST_BLOCK_RULE],
-                                                     capture_output=True).returncode == 0
-        _HOST_BLOCKED.append(ok)
-    return _HOST_BLOCKED[0]
+    iptables = shutil.which("iptables") or shutil.which("iptables", path="/usr/sbin:/sbin")
+    return iptables is not None and subprocess.run([iptables, "-C", "INPUT", *HOST_BLOCK_RULE],
+                                                   capture_output=True).returncode == 0
+
+
+def service_image(image: str, service: str) -> str:
+    """The tag a multi-service task's ``service`` runs by: ``{image's repository}__{service}:{image's tag}``."""
+    repository, _, tag = image.rpartition(":")
+    return f"{repository}__{service}:{tag}"
 
 
 def _compose(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:

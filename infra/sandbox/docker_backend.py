@@ -311,17 +311,17 @@ class DockerBackend:
             docker.errors.BuildError: a service failed to build (its log is in the error).
         """
         from envs.terminal_bench import compose_build
-        from infra.sandbox.compose import service_names
+        from infra.sandbox.compose import service_image, service_names
 
         spec_tags, logs = {services.main: image}, []
-        repository, _, tag = image.rpartition(":")
+        repository = image.rpartition(":")[0]
         for name in service_names(services):
             if name == services.main:
                 continue
             context, dockerfile, _ = compose_build(services.file, main=services.main, service=name)
             built_tag, _, log_text = self.build_image(f"{repository.removeprefix('agentrl-task-')}-{name}", context,
                                                       dockerfile, base_images, fallback_base, network=network)
-            alias = f"{repository}__{name}:{tag}"
+            alias = service_image(image, name)
             self.client.images.get(built_tag).tag(alias)
             spec_tags[name] = alias
             logs.append(f"service {name}: {built_tag} (as {alias})\n{log_text}")
@@ -357,8 +357,7 @@ class DockerBackend:
                        network: bool, services: ComposeServices, start_id: str) -> DockerSandbox:
         from infra.sandbox import compose
 
-        repository, _, tag = image.rpartition(":")
-        tags = {name: image if name == services.main else f"{repository}__{name}:{tag}"
+        tags = {name: image if name == services.main else compose.service_image(image, name)
                 for name in compose.service_names(services)}
         missing = [t for t in tags.values() if not self._image_id(t)]
         if missing:

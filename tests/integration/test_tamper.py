@@ -66,11 +66,12 @@ def harbor(backend, tmp_path_factory):
     return task, tag
 
 
-def run(backend, task, tag, commands, network=False):
+def run(backend, task, tag, commands, network=False, in_shell=False):
+    """The agent's ``commands`` (exec, or the persistent shell with ``in_shell``), then the task's verifier."""
     box = backend.start(tag, {"agentrl.test": "tamper"}, network=network)
     try:
         for command in commands:
-            r = box.exec(command, 300)
+            r = box.run_in_shell(command, 60) if in_shell else box.exec(command, 300)
             assert r.exit_code == 0, (command, r.output)
         return task.verify(box, "")
     finally:
@@ -222,24 +223,13 @@ def same_shell(backend, tmp_path_factory):
     return tasks
 
 
-def run_in_shell(backend, task, tag, commands):
-    box = backend.start(tag, {"agentrl.test": "tamper"})
-    try:
-        for command in commands:
-            r = box.run_in_shell(command, 60)
-            assert r.exit_code == 0, (command, r.output)
-        return task.verify(box, "")
-    finally:
-        box.close()
-
-
 SAME_SHELL_SOLUTION = ["mkdir -p /work && cd /work", "echo 42 > answer.txt", "export ANSWER=42"]
 
 
 def test_same_shell_tests_see_the_agents_cwd_and_exports(backend, same_shell):
-    v = run_in_shell(backend, *same_shell[True], SAME_SHELL_SOLUTION)
+    v = run(backend, *same_shell[True], SAME_SHELL_SOLUTION, in_shell=True)
     assert (v.reward, v.outcome, v.reason) == (1.0, Outcome.SUCCESS, "tests_passed"), v.log
-    v = run_in_shell(backend, *same_shell[False], SAME_SHELL_SOLUTION)  # a fresh shell: WORKDIR /app, no ANSWER
+    v = run(backend, *same_shell[False], SAME_SHELL_SOLUTION, in_shell=True)  # a fresh shell: WORKDIR /app, no ANSWER
     assert (v.reward, v.reason) == (0.0, "tests_failed"), v.log
 
 
@@ -256,7 +246,7 @@ SAME_SHELL_ATTACKS = {  # none writes the answer: only the attack could pass
 
 @pytest.mark.parametrize("attack", list(SAME_SHELL_ATTACKS))
 def test_same_shell_attack_earns_nothing(backend, same_shell, attack):
-    v = run_in_shell(backend, *same_shell[True], SAME_SHELL_ATTACKS[attack])
+    v = run(backend, *same_shell[True], SAME_SHELL_ATTACKS[attack], in_shell=True)
     assert (v.reward, v.outcome) == (0.0, Outcome.MODEL_FAILURE), v.log
     if "PATH" in attack:
         assert v.reason == TAMPERED and "/opt/fake/pytest" in v.log, v.log
