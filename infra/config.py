@@ -135,6 +135,45 @@ SchedulerConfig = Annotated[SyncScheduler | AsyncScheduler, Field(discriminator=
 """``rollout.scheduler``: chosen by ``kind``."""
 
 
+class BashFenceHarnessConfig(_Strict):
+    """Our own agent protocol (``envs.harness.BashFenceHarness``): one ```bash command per turn."""
+
+    kind: Literal["bash-fence"] = "bash-fence"
+    """``bash-fence``: the built-in harness (``envs.agent``'s protocol and prompts)."""
+
+
+class MiniSweAgentHarnessConfig(_Strict):
+    """mini-swe-agent from PyPI, unmodified, in its own venv, through the token-exact gateway (terminal tasks)."""
+
+    kind: Literal["mini-swe-agent"] = "mini-swe-agent"
+    """``mini-swe-agent``: upstream's CLI and config, its model pointed at the episode's gateway endpoint."""
+    version: str = Field("2.4.6", pattern=r"^[0-9][0-9a-z.]*$")
+    """The PyPI release installed into the harness's venv."""
+    config: str = "mini_textbased.yaml"
+    """An upstream builtin config (its prompts and action parser); the text-based one suits models without
+    tool calls."""
+    wall_timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock cap on one episode's harness process (then ``agent_timeout``); the tool-time budget is the task's."""
+    tool_parser: str = ""
+    """vLLM tool parser for requests with ``tools`` (``hermes``, ``llama3_json``, ...; "" parses none)."""
+
+
+HarnessConfig = Annotated[BashFenceHarnessConfig | MiniSweAgentHarnessConfig,
+                          Field(discriminator="kind", json_schema_extra=_any_of)]
+"""``rollout.harness``: what acts in each episode, chosen by ``kind``."""
+
+
+def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig):
+    """The harness object for ``rollout.harness``."""
+    if isinstance(c, MiniSweAgentHarnessConfig):
+        from envs.harnesses.mini_swe_agent import MiniSweAgentHarness
+
+        return MiniSweAgentHarness(c.version, c.config, c.wall_timeout_s, c.tool_parser)
+    from envs.harness import BashFenceHarness
+
+    return BashFenceHarness()
+
+
 class RolloutConfig(_Strict):
     """Sampling and the agent loop."""
 
@@ -159,6 +198,8 @@ class RolloutConfig(_Strict):
     """Times an episode that ended in infra_failure is retried."""
     scheduler: SchedulerConfig = AsyncScheduler()
     """How episodes are scheduled: ``{kind = "async", ...}`` (default) or ``{kind = "sync"}``."""
+    harness: HarnessConfig = BashFenceHarnessConfig()
+    """What acts in each episode: ``{kind = "bash-fence"}`` (default) or ``{kind = "mini-swe-agent", ...}``."""
     warm_pool: bool = True
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)

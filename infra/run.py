@@ -255,10 +255,11 @@ class Run:
 
         ``settings``: a ``CollectSettings`` (default: the rollout config's).
         """
+        from infra.config import build_harness
         from infra.rollout.collector import Collector
 
         return Collector(self.engine, self.backend, settings or self.collect_settings(), code_image=BASE_IMAGE,
-                         pool=self.pool)
+                         pool=self.pool, harness=build_harness(self.config.rollout.harness))
 
     def collect_settings(self):
         """The rollout config's ``CollectSettings``."""

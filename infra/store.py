@@ -25,9 +25,15 @@ import pyarrow.parquet as pq
 from infra.layout import RunLayout
 
 
-def _column(arrow_type: pa.DataType, before: pa.DataType | None = None):
-    """A column's Arrow type; ``before``: its type in files written with 32-bit offsets, where it differs."""
-    return field(metadata={"arrow": arrow_type, "before": before or arrow_type})
+def _column(arrow_type: pa.DataType, before: pa.DataType | None = None, added=None):
+    """A column's Arrow type; ``before``: its type in files written with 32-bit offsets, where it differs.
+
+    ``added``: a column added after files were written; its value in those files (a factory), filled on read.
+    """
+    if added is None:
+        return field(metadata={"arrow": arrow_type, "before": before or arrow_type})
+    return field(default_factory=added, metadata={"arrow": arrow_type, "before": before or arrow_type,
+                                                  "added": added})
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,13 @@ class Trajectory:
     Invariants (``T`` = ``len(token_ids)``): ``token_ids``, ``loss_mask``, ``rollout_logprobs`` and
     ``policy_versions`` have length T; ``loss_mask[i] == 1`` exactly for tokens the policy sampled;
     where it is 0 the logprob is 0.0 and the policy version -1 (not produced by a policy);
-    ``min/max_policy_version`` range over sampled tokens (-1 when none were sampled).
+    ``min/max_policy_version`` range over sampled tokens (-1 when none were sampled);
+    ``segment_starts`` starts with 0 and rises strictly, each below T.
+
+    Segments: an episode whose harness rewrote its history (summarised, truncated, ran a sub-agent)
+    is stored as several token sequences back to back, each exactly what the engine received and
+    sampled on its calls; ``segment_starts`` holds where each begins, and the trainer scores each
+    segment as its own sequence (``infra.train.trainer.split_segments``).
     """
 
     run_id: str = _column(pa.string())  # the run
@@ -80,6 +92,7 @@ class Trajectory:
     engine_replica: str = _column(pa.string())
     sandbox_id: str = _column(pa.string())
     sandbox_warm: bool = _column(pa.bool_())  # the sandbox came from the warm pool
+    segment_starts: list[int] = _column(pa.list_(pa.int32()), added=lambda: [0])  # token offsets, see above
 
     def row(self) -> dict:
         """As a row dict (``write_step`` input; what ``read_step(...).to_pylist()`` gives back)."""
@@ -90,6 +103,8 @@ TRAJECTORY_SCHEMA = pa.schema([(f.name, f.metadata["arrow"]) for f in fields(Tra
 """The Arrow schema of :class:`Trajectory`, enforced on write and read."""
 TRAJECTORY_SCHEMA_32 = pa.schema([(f.name, f.metadata["before"]) for f in fields(Trajectory)])
 """:data:`TRAJECTORY_SCHEMA` as files were written before 64-bit offsets (``list``, ``string``); read and cast."""
+ADDED_COLUMNS = {f.name: f.metadata["added"] for f in fields(Trajectory) if "added" in f.metadata}
+"""Columns added after step files were written, with their value for such files (filled on read)."""
 ROW_GROUP_TOKENS = 2**24
 """Most per-token elements in one row group. pyarrow's Parquet writer holds a row group's nested levels in
 memory (measured: 3.0 GiB peak writing 2**28 int8 elements as one row group, 0.6 GiB in groups of 2**24), so
@@ -126,6 +141,11 @@ def validate_rows(rows: Sequence[dict]) -> None:
                               f"{row['min_policy_version']}/{row['max_policy_version']} != tokens' {lo}/{hi}")
         if any(m and math.isnan(lp) for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True)):
             raise SchemaError(f"row {i} ({row['episode_id']}): NaN rollout logprob on a sampled token")
+        starts = row["segment_starts"]
+        if (not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+                or (n and starts[-1] >= n)):
+            raise SchemaError(f"row {i} ({row['episode_id']}): segment_starts {starts[:8]} must start at 0 and "
+                              f"rise strictly below token_ids' length {n}")
 
 
 def write_step(fs, uri: str, rows: Sequence[dict]) -> int:
@@ -189,6 +209,12 @@ def _as_current(table: pa.Table, uri: str, columns: Sequence[str]) -> pa.Table:
     Raises:
         SchemaError: the columns' types match neither schema.
     """
+    for c in columns:  # a column added since the file was written: filled with its value for such files
+        if c in ADDED_COLUMNS and c not in table.column_names:
+            table = table.append_column(TRAJECTORY_SCHEMA.field(c),
+                                        pa.array([ADDED_COLUMNS[c]() for _ in range(table.num_rows)],
+                                                 TRAJECTORY_SCHEMA.field(c).type))
+    table = table.select(list(columns))
     current = pa.schema([TRAJECTORY_SCHEMA.field(c) for c in columns])
     if table.schema.equals(current):
         return table
@@ -207,7 +233,7 @@ def read_step(fs, uri: str) -> pa.Table:
     fs.invalidate_cache()
     with fs.open(uri, "rb") as f:
         table = pq.read_table(f)
-    if table.column_names != TRAJECTORY_SCHEMA.names:
+    if [c for c in TRAJECTORY_SCHEMA.names if c not in ADDED_COLUMNS or c in table.column_names] != table.column_names:
         raise SchemaError(f"{uri}: schema differs from TRAJECTORY_SCHEMA: columns {table.column_names}")
     return _as_current(table, uri, TRAJECTORY_SCHEMA.names)
 
@@ -229,7 +255,9 @@ def read_history(fs, layout: RunLayout, columns: Sequence[str], include_dropped:
     tables = []
     for p in paths:
         with fs.open(p, "rb") as f:
-            tables.append(_as_current(pq.read_table(f, columns=list(columns)), p, columns))
+            present = pq.read_schema(f).names
+            f.seek(0)
+            tables.append(_as_current(pq.read_table(f, columns=[c for c in columns if c in present]), p, columns))
     if not tables:
         return TRAJECTORY_SCHEMA.empty_table().select(list(columns))
     return pa.concat_tables(tables)

@@ -24,6 +24,7 @@ image digest, so :func:`replay_episode` can re-run them and reproduce the verifi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class Episode:
     generation_s: float = 0.0
     tool_s: float = 0.0
     verify_s: float = 0.0
+    segment_starts: list[int] = field(default_factory=lambda: [0])
 
     @property
     def done(self) -> bool:
@@ -117,10 +119,22 @@ class CollectSettings:
 
 
 class _EpisodeIO:
-    """The runner's side of :class:`envs.harness.EpisodeIO` for one episode (token bookkeeping, sandbox, budget)."""
+    """The runner's side of :class:`envs.harness.EpisodeIO` for one episode (token bookkeeping, sandbox, budget).
+
+    Also the gateway's :class:`~infra.rollout.gateway.GatewayEpisode` for a harness that speaks the
+    OpenAI API (:meth:`open_gateway`): the same bookkeeping, budgets and classification.
+    """
 
     def __init__(self, runner: Collector, e: Episode, cancel):
         self.runner, self.e, self.cancel, self.task = runner, e, cancel, e.task
+        self.max_turns = runner.s.max_turns
+        self.max_model_len = runner.engine.max_model_len
+        self.model_name = "policy"
+
+    @property
+    def ended(self) -> str:
+        """Why the episode ended ("" while it runs): the harness's end, the runner's, or an infra failure."""
+        return self.e.agent_end or self.e.infra_reason or ("cancelled" if self.cancel.is_set() else "")
 
     @property
     def num_turns(self) -> int:
@@ -134,8 +148,76 @@ class _EpisodeIO:
         """Open the transcript; a task that acts in a sandbox gets it now (a failed start ends the episode)."""
         self.e.append(self.runner.chat.prompt_ids(messages), None)
         self.e.prompt_tokens = len(self.e.token_ids)
-        if self.task.acts_in_sandbox:
+        self.acquire()
+
+    def acquire(self) -> None:
+        """Get the episode's sandbox, for a task that acts in one (a failed start ends the episode)."""
+        if self.task.acts_in_sandbox and self.e.sandbox is None and not self.e.done:
             self.runner._acquire(self.e)
+
+    def open_gateway(self):
+        """This episode's gateway endpoint (``infra.rollout.gateway.Endpoint``); close with :meth:`close_gateway`."""
+        return self.runner.gateway().open(self)
+
+    def close_gateway(self, endpoint) -> None:
+        self.runner.gateway().close(endpoint.key)
+
+    def fail(self, reason: str) -> None:
+        """The harness failed on its own (``harness_error``): an infra failure, retried and excluded."""
+        if not self.e.done:
+            self.e.infra_reason = reason
+
+    def sample_ids(self, prompt_ids: list[int], extends: bool, max_tokens: int | None,
+                   stop: tuple[str, ...]) -> Sample | str:
+        """One gateway call: record ``prompt_ids`` (extending the segment, or opening a new one) and sample.
+
+        Returns the sample, or why the episode refused: it had ended, ``max_turns`` or ``context_full``
+        (these end it now). ``max_tokens`` is capped by the run's per-turn budget and the room left.
+        """
+        e, s = self.e, self.runner.s
+        if (why := self.ended):
+            return why
+        if e.num_turns >= self.max_turns:
+            e.agent_end = "max_turns"
+            return e.agent_end
+        room = self.max_model_len - len(prompt_ids)
+        if room < 8:
+            e.agent_end = "context_full"
+            return e.agent_end
+        if extends:
+            if prompt_ids[:len(e.token_ids) - self._segment_start] != e.token_ids[self._segment_start:]:
+                raise AssertionError("an extending call's prompt does not start with the episode's segment")
+            e.append(prompt_ids[len(e.token_ids) - self._segment_start:], None)
+        else:
+            if e.token_ids:
+                e.segment_starts.append(len(e.token_ids))
+            e.append(prompt_ids, None)
+            if len(e.segment_starts) == 1:
+                e.prompt_tokens = len(prompt_ids)
+        return self._sample(min(max_tokens or s.max_tokens_per_turn, s.max_tokens_per_turn, room), stop) or self.ended
+
+    @property
+    def _segment_start(self) -> int:
+        return self.e.segment_starts[-1]
+
+    def exec_command(self, command: str, timeout_s: float | None) -> dict | str:
+        """A gateway harness's command in the sandbox shell (the task's per-command deadline caps ``timeout_s``).
+
+        The task's tool-time budget ends the episode (``agent_timeout``) once spent.
+        """
+        if (why := self.ended):
+            return why
+        if self.e.sandbox is None:
+            self.acquire()
+            if (why := self.ended):
+                return why
+        result = self.execute(command, timeout_s)
+        if result is None:
+            return self.ended or "sandbox_failed"
+        if self.e.tool_s >= self.task.agent_timeout_s:
+            self.e.agent_end = "agent_timeout"
+        return {"output": result.output, "exit_code": result.exit_code, "timed_out": result.timed_out,
+                "duration_s": result.duration_s}
 
     def sample(self) -> str | None:
         e, s = self.e, self.runner.s
@@ -148,8 +230,14 @@ class _EpisodeIO:
         if room < 8:
             e.agent_end = "context_full"
             return None
-        request = SampleRequest(e.token_ids, min(s.max_tokens_per_turn, room), s.temperature, s.top_p,
-                                e.seed + 7919 * e.num_turns, top_k=s.top_k)
+        sample = self._sample(min(s.max_tokens_per_turn, room), ())
+        return None if sample is None else sample.text
+
+    def _sample(self, max_tokens: int, stop: tuple[str, ...]) -> Sample | None:
+        """Sample on the current segment; record the ids, logprobs and version (None: the engine was unreachable)."""
+        e, s = self.e, self.runner.s
+        request = SampleRequest(e.token_ids[self._segment_start:], max_tokens, s.temperature, s.top_p,
+                                e.seed + 7919 * e.num_turns, top_k=s.top_k, stop=stop)
         start = time.monotonic()
         try:
             (sample,) = self.runner.engine.generate([request], [e.episode_id])
@@ -163,16 +251,17 @@ class _EpisodeIO:
         e.stop_reason = sample.stop_reason
         e.last_reply = sample.text
         e.engine_replica = sample.replica or self.runner.engine.replica
-        return sample.text
+        return sample
 
-    def execute(self, command: str):
+    def execute(self, command: str, timeout_s: float | None = None):
         e = self.e
         if e.done:
             return None
         e.commands.append(command)
         assert e.sandbox is not None, "a terminal episode acts in its sandbox"
+        deadline = e.task.command_timeout_s if timeout_s is None else min(timeout_s, e.task.command_timeout_s)
         try:
-            result = e.sandbox.run_in_shell(command, timeout_s=e.task.command_timeout_s)
+            result = e.sandbox.run_in_shell(command, timeout_s=deadline)
         except SandboxInfraError as err:
             Collector._sandbox_failed(e, err)
             return None
@@ -212,6 +301,23 @@ class Collector:
         self.harness = harness or BashFenceHarness()
         self.retry_backoff_s = retry_backoff_s
         self.max_concurrent_episodes = max_concurrent_episodes
+        self._gateway = None
+        self._gateway_lock = threading.Lock()
+
+    def gateway(self):
+        """The run's token-exact gateway (``infra.rollout.gateway.Gateway``), started on first use."""
+        with self._gateway_lock:
+            if self._gateway is None:
+                from infra.rollout.gateway import Gateway
+
+                self._gateway = Gateway(self.engine.tokenizer, tool_parser=getattr(self.harness, "tool_parser", ""))
+            return self._gateway
+
+    def close(self) -> None:
+        """Stop the gateway, if one was started."""
+        if self._gateway is not None:
+            self._gateway.shutdown()
+            self._gateway = None
 
     def collect(self, run_id: str, step: int, tasks: list[Task], images: dict[str, tuple[str, str]],
                 on_progress: Callable[[int, int], None] | None = None, first_group: int = 0) -> list[dict]:
@@ -380,7 +486,7 @@ class Collector:
             temperature=self.s.temperature, top_p=self.s.top_p, max_tokens=self.s.max_tokens_per_turn,
             queue_s=e.queue_s, sandbox_acquire_s=e.sandbox_acquire_s, generation_s=e.generation_s, tool_s=e.tool_s,
             verify_s=e.verify_s, engine_replica=e.engine_replica or self.engine.replica, sandbox_id=e.sandbox_id,
-            sandbox_warm=e.sandbox_warm,
+            sandbox_warm=e.sandbox_warm, segment_starts=e.segment_starts,
         ).row()
 
 

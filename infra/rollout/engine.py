@@ -23,8 +23,9 @@ from infra.rollout.reload_warnings import expected_reload_warnings_dropped
 class SampleRequest:
     """One generation request: the exact ids to continue and its sampling parameters.
 
-    ``top_p`` 1 and ``top_k`` 0 are off (vLLM's values); ``top_k`` comes last so positional callers keep
-    their meaning.
+    ``top_p`` 1 and ``top_k`` 0 are off (vLLM's values); ``top_k`` and ``stop`` come last so positional
+    callers keep their meaning. ``stop``: strings that end generation (vLLM ``SamplingParams.stop``: the
+    sampled ids keep the tokens that completed the string, the text leaves it out).
     """
 
     prompt_ids: list[int]
@@ -33,6 +34,7 @@ class SampleRequest:
     top_p: float
     seed: int | None
     top_k: int = 0
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class VLLMEngine:
         self.batched_requests = 0  # requests served by them
         self.generated_tokens = 0  # tokens sampled by them
         self.busy_s = 0.0  # seconds spent in them
+        self.record: list[tuple[list[int], list[int]]] | None = None
+        """Engine-side record when a list (set by the caller): (prompt ids vLLM received, ids it sampled) per request,
+        read from vLLM's own ``RequestOutput`` (``prompt_token_ids``, ``outputs[0].token_ids``)."""
 
     def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
         """Sample one completion per request, batched in one engine call (``trajectory_ids``: unused, one replica).
@@ -155,7 +160,8 @@ class VLLMEngine:
                 raise ValueError(f"prompt {len(r.prompt_ids)} + max_tokens {r.max_tokens} > max_model_len "
                                  f"{self.max_model_len}")
         params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                 max_tokens=r.max_tokens, seed=r.seed, logprobs=0, detokenize=True) for r in requests]
+                                 max_tokens=r.max_tokens, seed=r.seed, logprobs=0, detokenize=True,
+                                 stop=list(r.stop) or None) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
         if threading.current_thread() is self._batcher:
             raise RuntimeError("generate called from the engine's own batching thread")
@@ -199,6 +205,8 @@ class VLLMEngine:
                 samples = []
                 for out in outputs:
                     c = out.outputs[0]
+                    if self.record is not None:
+                        self.record.append((list(out.prompt_token_ids), list(c.token_ids)))
                     ids = list(c.token_ids)
                     lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
                     samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop",

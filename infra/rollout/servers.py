@@ -232,6 +232,8 @@ class ServerEngine:
                 "skip_special_tokens": True}
         if r.seed is not None:
             body["seed"] = r.seed
+        if r.stop:
+            body["stop"] = list(r.stop)
         with self._gate:  # a weight update in progress holds new requests back
             while self._updating:
                 self._gate.wait()

@@ -37,6 +37,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PER_TOKEN = ("token_ids", "loss_mask", "rollout_logprobs", "policy_versions")
+
+
+def split_segments(rows: list[dict], adv: np.ndarray) -> tuple[list[dict], np.ndarray, list[int]]:
+    """Each row's segments as rows of their own, with the row's advantage (rows of one segment as they are).
+
+    A segment (``segment_starts``, see ``infra.store.Trajectory``) is one token sequence the engine
+    received and sampled on, so the trainer scores it with nothing before it in context, as the engine
+    did. The episode's advantage applies to every segment (as step-wise training does: SkyRL, rLLM).
+
+    Returns:
+        (segment rows, advantages, origin): ``adv`` float64 of shape (S,), ``origin[j]`` the index in ``rows``
+        of segment row ``j``.
+    """
+    out, out_adv, origin = [], [], []
+    for k, (r, a) in enumerate(zip(rows, adv, strict=True)):
+        starts = list(r.get("segment_starts") or [0])
+        n = len(r["token_ids"])
+        for lo, hi in zip(starts, [*starts[1:], n], strict=True):
+            out.append(r if len(starts) == 1 else {**r, **{c: r[c][lo:hi] for c in _PER_TOKEN}, "segment_starts": [0]})
+            out_adv.append(a)
+            origin.append(k)
+    return out, np.asarray(out_adv, dtype=np.float64), origin
+
+
 def eligible_rows(rows: list[dict]) -> list[dict]:
     """Rows that enter the gradient: infra failures and unverifiable episodes are left out."""
     return [r for r in rows if r["outcome"] not in EXCLUDED_OUTCOMES]
@@ -117,7 +142,8 @@ class GRPOTrainer:
         """Run one GRPO step on ``rows`` (trajectory rows as stored).
 
         Returns:
-            Metrics: ``rows_trained``, ``rows_with_signal`` (non-zero advantage), ``optimizer_step``
+            Metrics: ``rows_trained``, ``rows_with_signal`` (non-zero advantage), ``segments_trained``
+            (token sequences scored: a row's segments, see :func:`split_segments`), ``optimizer_step``
             (0 when no row carries signal: the step is skipped rather than moving weights on
             optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
             (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
@@ -132,9 +158,11 @@ class GRPOTrainer:
         import torch
 
         start = time.monotonic()
-        rows = eligible_rows(rows)
-        adv = group_advantages(np.array([r["reward"] for r in rows], dtype=np.float64),
-                               [r["group_id"] for r in rows], scale_by_std=self.scale_by_std, baseline=self.baseline)
+        episodes = eligible_rows(rows)
+        adv = group_advantages(np.array([r["reward"] for r in episodes], dtype=np.float64),
+                               [r["group_id"] for r in episodes], scale_by_std=self.scale_by_std,
+                               baseline=self.baseline)
+        rows, adv, origin = split_segments(episodes, adv)
         masks = []
         for r in rows:
             m = np.asarray(r["loss_mask"][: self.max_seq_len], dtype=np.float32)
@@ -174,8 +202,9 @@ class GRPOTrainer:
         all_ratios = torch.cat(ratios).numpy() if ratios else np.zeros(0)
         q05, q50, q95 = np.quantile(all_ratios, [0.05, 0.5, 0.95]) if all_ratios.size else (1.0, 1.0, 1.0)
         return {
-            "rows_trained": float(len(rows)),
-            "rows_with_signal": float(len(grad_rows)),
+            "rows_trained": float(len(episodes)),
+            "rows_with_signal": float(len({origin[i] for i in grad_rows})),
+            "segments_trained": float(len(rows)),
             "optimizer_step": float(bool(grad_rows)),
             "loss_tokens": float(total_tokens),
             "loss": loss_value,

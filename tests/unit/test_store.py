@@ -50,6 +50,24 @@ def test_validate_rows_invariants():
         validate_rows([make_row(extra=1)])
     with pytest.raises(SchemaError, match="NaN rollout logprob"):
         validate_rows([make_row(rollout_logprobs=[0.0, 0.0, float("nan"), -1.0])])
+    validate_rows([make_row(segment_starts=[0, 2])])
+    for bad in ([], [1], [0, 2, 2], [0, 4]):
+        with pytest.raises(SchemaError, match="segment_starts .* must start at 0 and rise strictly below"):
+            validate_rows([make_row(segment_starts=bad)])
+
+
+def test_file_written_before_segment_starts_reads_with_one_segment_per_row(tmp_path):
+    fs = fsspec.filesystem("file", auto_mkdir=True)
+    layout = RunLayout(str(tmp_path), "runs", "r")
+    uri = f"{layout.trajectories_dir}/step-000000.parquet"
+    rows = _rows()
+    before = pa.schema([f for f in TRAJECTORY_SCHEMA if f.name != "segment_starts"])
+    fs.makedirs(layout.trajectories_dir)
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "segment_starts"} for r in rows],
+                                        schema=before), uri)
+    assert read_step(fs, uri).to_pylist() == rows
+    assert read_history(fs, layout, ["episode_id", "segment_starts"]).to_pylist() == [
+        {"episode_id": "e0", "segment_starts": [0]}, {"episode_id": "e1", "segment_starts": [0]}]
 
 
 def test_file_with_32_bit_offsets_reads_back_to_the_same_rows(tmp_path):

@@ -1,0 +1,90 @@
+"""A harness that runs as its own process, in its own venv, talking to the episode's gateway endpoint.
+
+The runner, not the harness, enforces the budgets: the process is stopped (its process group
+killed) when the episode ends on the runner's side (``max_turns``, ``context_full``, the tool-time
+budget ``agent_timeout``, cancellation) or when it runs past ``wall_timeout_s`` (``agent_timeout``).
+A harness that exits 0 ended the episode itself (``done``); one that exits otherwise while the
+episode still ran crashed on its own: ``infra_failure`` (``harness_error``), retried and excluded.
+A reply the harness cannot parse is the harness's to handle (its own format-error turn), so it
+stays a model outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from envs.harnesses.venv import harness_python
+
+log = logging.getLogger(__name__)
+
+
+class SubprocessHarness:
+    """Base: subclasses give the ``command`` (arguments to the venv's python) and extra ``env``."""
+
+    name = "subprocess"
+    tool_parser = ""
+
+    def __init__(self, venv_name: str, requirements: list[str], wall_timeout_s: float):
+        self.venv_name, self.requirements, self.wall_timeout_s = venv_name, requirements, wall_timeout_s
+        self.last_output = ""  # the last episode's harness output tail (for diagnosis)
+
+    def command(self, workdir: Path, endpoint, instruction: str, max_turns: int, command_timeout_s: float) -> list[str]:
+        """Arguments to the venv's python that run the harness once against ``endpoint`` (files go in ``workdir``)."""
+        raise NotImplementedError
+
+    def env(self, workdir: Path) -> dict[str, str]:
+        """Environment variables the harness process needs, over this process's."""
+        return {}
+
+    def prepare(self) -> Path:
+        """The harness's interpreter (its venv is installed on first use)."""
+        return harness_python(self.venv_name, self.requirements)
+
+    def act(self, io, max_turns: int) -> None:
+        """Run the harness process against this episode's endpoint until it exits or the runner ends the episode."""
+        python = self.prepare()
+        io.acquire()
+        if io.ended:
+            return
+        endpoint = io.open_gateway()
+        try:
+            with tempfile.TemporaryDirectory(prefix="agentrl-harness-") as tmp:
+                workdir = Path(tmp)
+                args = self.command(workdir, endpoint, io.task.instruction, max_turns, io.task.command_timeout_s)
+                loopback = "127.0.0.1,localhost"
+                env = {**os.environ, "HOME": str(workdir), "NO_PROXY": loopback, "no_proxy": loopback,
+                       **self.env(workdir)}
+                out = open(workdir / "harness.log", "w+")
+                proc = subprocess.Popen([str(python), *args], cwd=workdir, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                deadline = time.monotonic() + self.wall_timeout_s
+                try:
+                    while proc.poll() is None:
+                        if io.ended:
+                            break
+                        if time.monotonic() > deadline:
+                            io.end("agent_timeout")
+                            break
+                        time.sleep(0.1)
+                finally:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                out.seek(0)
+                self.last_output = out.read()[-4000:]
+                out.close()
+                if io.ended:
+                    return
+                if proc.returncode == 0:
+                    io.end("done")
+                else:
+                    log.warning("harness %s exited %s: %s", self.name, proc.returncode, self.last_output[-1500:])
+                    io.fail("harness_error")
+        finally:
+            io.close_gateway(endpoint)

@@ -1,0 +1,443 @@
+"""The token-exact gateway: an OpenAI chat-completions endpoint per episode, in front of the rollout engine.
+
+A third-party harness (its own prompts, parsers and loop) is pointed at ``{base_url}`` as at any
+OpenAI server. Each request is rendered with the policy's chat template (``tools`` included, as
+vLLM's server renders them: ``tokenizer.apply_chat_template``) and its ids are sent to the engine
+through the episode's runner (:class:`GatewayEpisode`), which records every id, logprob and policy
+version; tool calls are parsed with vLLM's own parser for the model family
+(``vllm.tool_parsers``). The sampled ids are never re-tokenized:
+
+* When a request's messages are the previous request's messages plus the reply returned for it plus
+  new messages, its prompt ids are the previous prompt ids, the sampled ids, the template's turn
+  closing and the new messages' rendered ids (``extends=True``): the episode stays one sequence.
+* Otherwise (the harness summarised, truncated or rewrote its history, or ran a sub-agent) the
+  request is rendered whole and starts a new segment (``extends=False``); the trainer scores each
+  segment against exactly what the engine saw (``infra.store.Trajectory.segment_starts``).
+
+Sampling parameters are the run's (the trainer computes logprobs under them); a request's
+``temperature``/``top_p`` are overridden and counted. ``max_tokens`` is capped by the run's per-turn
+budget and the context room. Errors are OpenAI-style bodies (``{"error": {"message", "type", "param",
+"code"}}``); an erroring request records nothing.
+
+Routes: ``POST /e/{key}/v1/chat/completions``, ``GET /e/{key}/v1/models`` (also at ``/v1/...`` with
+``Authorization: Bearer {key}``) and ``POST /e/{key}/sandbox/exec`` (an out-of-process harness runs
+commands in the episode's sandbox: ``{"command", "timeout_s"}`` -> ``{"output", "exit_code",
+"timed_out", "duration_s"}``).
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route handlers' annotations at runtime.
+
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from infra.rollout.engine import Sample
+
+log = logging.getLogger(__name__)
+
+UNSUPPORTED = {  # request field -> the value we serve (anything else is refused)
+    "n": 1, "logit_bias": None, "use_beam_search": False, "echo": False, "top_logprobs": 0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "response_format": None, "prompt_logprobs": None,
+    "continue_final_message": False,
+}
+"""Parameters the trainer could not account for (they change the sampling distribution or the reply count)."""
+
+
+class GatewayError(Exception):
+    """A request refused: HTTP ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param,
+                                                    "code": code}}
+
+
+class GatewayEpisode(Protocol):
+    """The runner's side of one episode behind the gateway (``infra.rollout.collector``)."""
+
+    max_model_len: int
+    model_name: str
+
+    def sample_ids(self, prompt_ids: list[int], extends: bool, max_tokens: int | None,
+                   stop: tuple[str, ...]) -> Sample | str:
+        """Sample on ``prompt_ids`` and record it; a str is why the episode refused (it has ended)."""
+
+    def exec_command(self, command: str, timeout_s: float | None) -> dict | str:
+        """Run ``command`` in the episode's sandbox shell; a str is why not (the episode has ended)."""
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (a list of parts is joined, as vLLM's server does for text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", None))
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments as an object (templates render objects; a request carries JSON strings)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages as the template needs them and as compared across calls (``None`` fields dropped).
+
+    Content parts become text; tool-call arguments become objects (vLLM's server does the same before
+    rendering: ``vllm.entrypoints.chat_utils``); keys: role, content, name, tool_calls, tool_call_id.
+    """
+    out = []
+    for m in messages:
+        n: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
+        if m.get("name"):
+            n["name"] = m["name"]
+        if m.get("tool_call_id"):
+            n["tool_call_id"] = m["tool_call_id"]
+        if m.get("tool_calls"):
+            n["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": _arguments(c["function"].get("arguments", {}))}}
+                               for c in m["tool_calls"]]
+        out.append(n)
+    return out
+
+
+@dataclass
+class Transcript:
+    """One episode's conversation as sent: the messages and ids of the last call, for the extension check."""
+
+    messages: list[dict] = field(default_factory=list)  # normalized, the reply included
+    tools: Any = None
+    calls: int = 0
+
+
+class ChatRenderer:
+    """Renders requests with the tokenizer's chat template and extends a transcript by ids.
+
+    Raises:
+        ValueError: the template's assistant turn closing cannot be found (see ``ChatTokens``).
+    """
+
+    def __init__(self, tokenizer):
+        from infra.rollout.chat_tokens import ChatTokens
+
+        self.tokenizer = tokenizer
+        self.chat = ChatTokens(tokenizer)
+
+    def render(self, messages: list[dict], tools: Any, generation_prompt: bool) -> str:
+        """The chat template's text for ``messages`` (and ``tools``, where the template renders them)."""
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kwargs)
+
+    def prompt(self, t: Transcript, messages: list[dict], tools: Any, history_ids: list[int]) -> tuple[list[int], bool]:
+        """(prompt ids, extends): ids extending ``history_ids`` when ``messages`` extend ``t``, else rendered whole.
+
+        ``history_ids``: the episode's current segment (last prompt plus its sampled ids).
+        """
+        full = self.render(messages, tools, True)
+        n = len(t.messages)
+        if t.calls and len(messages) > n and messages[:n] == t.messages and tools == t.tools and history_ids:
+            before = self.render(t.messages, tools, False)
+            closing = self.chat.turn_closing
+            if full.startswith(before) and before.endswith(closing):
+                eos = self.chat.eos_text
+                if history_ids[-1] == self.chat.eos_token_id and eos and closing.startswith(eos):
+                    closing = closing[len(eos):]
+                tail = closing + full[len(before):]
+                return history_ids + self.tokenizer.encode(tail, add_special_tokens=False), True
+        return self.tokenizer.encode(full, add_special_tokens=False), False
+
+
+@dataclass
+class _Session:
+    episode: GatewayEpisode
+    transcript: Transcript = field(default_factory=Transcript)
+    history_ids: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time per episode
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a harness reaches its episode: ``base_url`` (OpenAI base, ends in ``/v1``) and ``key``."""
+
+    base_url: str
+    key: str
+    exec_url: str
+
+
+class Gateway:
+    """The HTTP server (uvicorn, a daemon thread, loopback); one :class:`Endpoint` per open episode.
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template renders every request).
+        tool_parser: a ``vllm.tool_parsers`` name (``hermes``, ``llama3_json``, ...) or "" for none.
+        host: address to bind (loopback by default: harnesses run on this machine).
+    """
+
+    def __init__(self, tokenizer, tool_parser: str = "hermes", host: str = "127.0.0.1"):
+        self.renderer = ChatRenderer(tokenizer)
+        self.tokenizer = tokenizer
+        self.tool_parser = tool_parser
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self.overridden: dict[str, int] = {}  # request sampling parameters overridden by the run's, counted
+        self.refused = 0  # requests answered with an error
+        self.calls = 0  # completions served
+        self.overhead_s = 0.0  # seconds spent in the gateway itself (rendering, parsing), engine time excluded
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._start()
+
+    # -- episodes ------------------------------------------------------------------------
+    def open(self, episode: GatewayEpisode) -> Endpoint:
+        """Register an episode; its harness reaches it at the returned endpoint until :meth:`close`."""
+        key = "ep-" + secrets.token_hex(12)
+        with self._lock:
+            self._sessions[key] = _Session(episode)
+        base = f"http://{self.host}:{self.port}/e/{key}"
+        return Endpoint(base + "/v1", key, base + "/sandbox/exec")
+
+    def close(self, key: str) -> None:
+        """Forget an episode (later requests with its key are refused as unknown)."""
+        with self._lock:
+            self._sessions.pop(key, None)
+
+    def shutdown(self) -> None:
+        """Stop the server thread."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _session(self, key: str) -> _Session:
+        with self._lock:
+            s = self._sessions.get(key)
+        if s is None:
+            raise GatewayError(401, f"unknown episode key '{key[:40]}': the key is not open on this gateway "
+                               "(the episode ended, or the base URL is not one this run handed out)",
+                               "authentication_error", code="invalid_api_key")
+        return s
+
+    # -- the chat-completions call --------------------------------------------------------
+    def complete(self, key: str, body: Any) -> dict:
+        """Serve one chat-completions request body for episode ``key``; returns the OpenAI response dict.
+
+        Raises:
+            GatewayError: unknown key, malformed body, unsupported parameter, context window exceeded,
+                or the episode has ended; nothing is recorded for the episode then.
+        """
+        session = self._session(key)
+        request = self._parse(body)
+        with session.lock:
+            start = time.monotonic()
+            ep = session.episode
+            messages = normalize_messages(body["messages"])
+            tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+            if request.tool_choice == "none":
+                tools = None
+            try:
+                prompt_ids, extends = self.renderer.prompt(session.transcript, messages, tools, session.history_ids)
+            except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
+                raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
+                                   f"{type(err).__name__}: {err}", param="messages") from err
+            requested = request.max_completion_tokens or request.max_tokens
+            stop = tuple([request.stop] if isinstance(request.stop, str) else (request.stop or []))
+            overhead = time.monotonic() - start
+            result = ep.sample_ids(prompt_ids, extends, requested, stop)
+            start = time.monotonic()
+            if result == "context_full":  # the error vLLM's server gives; the runner ended the episode
+                raise GatewayError(400, f"This model's maximum context length is {ep.max_model_len} tokens. "
+                                   f"However, your messages resulted in {len(prompt_ids)} tokens. Please reduce "
+                                   "the length of the messages.", param="messages", code="context_length_exceeded")
+            if isinstance(result, str):
+                raise GatewayError(400, f"the episode has ended ({result}): no more completions are served for it",
+                                   code="episode_ended")
+            reply = self._reply(result, request, tools)
+            session.history_ids = prompt_ids + result.token_ids
+            session.transcript = Transcript([*messages, normalize_messages([reply["message"]])[0]], tools,
+                                            session.transcript.calls + 1)
+            self.calls += 1
+            self.overhead_s += overhead + time.monotonic() - start
+        finish = reply.pop("finish_reason")
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or ep.model_name,
+                "choices": [{"index": 0, "message": reply["message"], "logprobs": None, "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
+                          "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+
+    def _parse(self, body: Any):
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object with 'messages'", param="body")
+        if not body.get("messages"):
+            raise GatewayError(400, "'messages' is required: a non-empty list of chat messages", param="messages")
+        try:
+            request = ChatCompletionRequest.model_validate(body)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise GatewayError(400, f"invalid request: {where}: {first['msg']}", param=where) from err
+        for name, served in UNSUPPORTED.items():
+            value = body.get(name, served)
+            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                continue
+            if value is not None and value != served and not (name.endswith("penalty") and value == 0):
+                raise GatewayError(400, f"unsupported parameter '{name}'={value!r}: this endpoint samples for "
+                                   f"training and serves only {name}={served!r}", param=name,
+                                   code="unsupported_parameter")
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+            if body.get(name) is not None:
+                self.overridden[name] = self.overridden.get(name, 0) + 1
+        return request
+
+    def _reply(self, sample: Sample, request, tools) -> dict:
+        """The assistant message (content, tool calls by the model family's vLLM parser) and finish reason."""
+        text = sample.text
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = "length" if sample.stop_reason == "length" else "stop"
+        if tools and self.tool_parser:
+            from vllm.tool_parsers import ToolParserManager
+
+            parser = ToolParserManager.get_tool_parser(self.tool_parser)(self.tokenizer, request.tools)
+            info = parser.extract_tool_calls(text, request)
+            if info.tools_called:
+                message["content"] = info.content or None
+                message["tool_calls"] = [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                          "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                         for c in info.tool_calls]
+                finish = "tool_calls"
+        return {"message": message, "finish_reason": finish}
+
+    # -- sandbox commands for out-of-process harnesses --------------------------------------
+    def exec_command(self, key: str, body: Any) -> dict:
+        """Run a command in episode ``key``'s sandbox (see the module docstring).
+
+        Raises:
+            GatewayError: unknown key, no ``command`` string, or the episode has ended.
+        """
+        session = self._session(key)
+        if not isinstance(body, dict) or not isinstance(body.get("command"), str):
+            raise GatewayError(400, "the body must be {\"command\": str, \"timeout_s\": number?}", param="command")
+        timeout = body.get("timeout_s")
+        result = session.episode.exec_command(body["command"], float(timeout) if timeout else None)
+        if isinstance(result, str):
+            raise GatewayError(409, f"the episode has ended ({result}): no more commands run in its sandbox",
+                               code="episode_ended")
+        return result
+
+    # -- the server ---------------------------------------------------------------------------
+    def _app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.concurrency import run_in_threadpool
+
+        app = FastAPI(title="agentrl gateway", docs_url=None, redoc_url=None)
+
+        def error(err: GatewayError):
+            self.refused += 1
+            return JSONResponse(err.body, status_code=err.status)
+
+        async def body_of(request: Request):
+            try:
+                return json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise GatewayError(400, f"the request body is not valid JSON: {e}", param="body") from e
+
+        def bearer(request: Request) -> str:
+            auth = request.headers.get("authorization", "")
+            return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+        async def chat(key: str, request: Request):
+            try:
+                body = await body_of(request)
+                response = await run_in_threadpool(self.complete, key, body)
+            except GatewayError as err:
+                return error(err)
+            if isinstance(body, dict) and body.get("stream"):
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(_sse_chunks(response, usage), media_type="text/event-stream")
+            return JSONResponse(response)
+
+        async def models(key: str):
+            try:
+                s = self._session(key)
+            except GatewayError as err:
+                return error(err)
+            return JSONResponse({"object": "list", "data": [{"id": s.episode.model_name, "object": "model",
+                                                             "owned_by": "agentrl"}]})
+
+        async def exec_(key: str, request: Request):
+            try:
+                return JSONResponse(await run_in_threadpool(self.exec_command, key, await body_of(request)))
+            except GatewayError as err:
+                return error(err)
+
+        app.post("/e/{key}/v1/chat/completions")(chat)
+        app.get("/e/{key}/v1/models")(models)
+        app.post("/e/{key}/sandbox/exec")(exec_)
+
+        @app.post("/v1/chat/completions")
+        async def chat_bearer(request: Request):
+            return await chat(bearer(request), request)
+
+        @app.get("/v1/models")
+        async def models_bearer(request: Request):
+            return await models(bearer(request))
+
+        return app
+
+    def _start(self) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="agentrl-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the gateway did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+
+
+def _sse_chunks(response: dict, include_usage: bool):
+    """A complete response as OpenAI stream chunks (role, content, tool calls, finish, usage?, ``[DONE]``)."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    msg = response["choices"][0]["message"]
+
+    def chunk(delta: dict, finish=None) -> str:
+        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return f"data: {json.dumps(c)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if msg.get("content"):
+        yield chunk({"content": msg["content"]})
+    for i, call in enumerate(msg.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                     "function": {"name": call["function"]["name"],
+                                                  "arguments": call["function"]["arguments"]}}]})
+    yield chunk({}, response["choices"][0]["finish_reason"])
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': response['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
