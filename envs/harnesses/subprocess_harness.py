@@ -48,6 +48,9 @@ class SubprocessHarness:
 
     def act(self, io, max_turns: int) -> None:
         """Run the harness process against this episode's endpoint until it exits or the runner ends the episode."""
+        if not io.task.acts_in_sandbox:
+            raise ValueError(f"harness {self.name} acts in sandboxes: task {io.task.task_id} is a code task "
+                             "(one answer, no sandbox); train code tasks with rollout.harness.kind = \"bash-fence\"")
         python = self.prepare()
         io.acquire()
         if io.ended:

@@ -85,6 +85,13 @@ class Episode:
         """The agent phase is over (by its own choice, its budget, or an infra failure)."""
         return bool(self.agent_end or self.infra_reason)
 
+    def truncate(self, n_tokens: int, n_segments: int, prompt_tokens: int) -> None:
+        """Back to the first ``n_tokens`` ids and ``n_segments`` segments (a call that sampled nothing)."""
+        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
+            del getattr(self, name)[n_tokens:]
+        del self.segment_starts[n_segments:]
+        self.prompt_tokens = prompt_tokens
+
     def append(self, ids: list[int], sampled: Sample | None) -> None:
         """Append ids: sampled ones with their logprobs and version, or template/observation ids."""
         self.token_ids += ids
@@ -184,6 +191,7 @@ class _EpisodeIO:
         if room < 8:
             e.agent_end = "context_full"
             return e.agent_end
+        before = (len(e.token_ids), len(e.segment_starts), e.prompt_tokens)
         if extends:
             if prompt_ids[:len(e.token_ids) - self._segment_start] != e.token_ids[self._segment_start:]:
                 raise AssertionError("an extending call's prompt does not start with the episode's segment")
@@ -194,7 +202,13 @@ class _EpisodeIO:
             e.append(prompt_ids, None)
             if len(e.segment_starts) == 1:
                 e.prompt_tokens = len(prompt_ids)
-        return self._sample(min(max_tokens or s.max_tokens_per_turn, s.max_tokens_per_turn, room), stop) or self.ended
+        sample = None
+        try:
+            sample = self._sample(min(max_tokens or s.max_tokens_per_turn, s.max_tokens_per_turn, room), stop)
+        finally:
+            if sample is None:  # nothing sampled: the call leaves no trace in the row
+                e.truncate(*before)
+        return sample or self.ended
 
     @property
     def _segment_start(self) -> int:

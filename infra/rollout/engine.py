@@ -10,6 +10,7 @@ calls (``load_weights``), so a call's tokens share one version.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -144,6 +145,8 @@ class VLLMEngine:
         self.record: list[tuple[list[int], list[int]]] | None = None
         """Engine-side record when a list (set by the caller): (prompt ids vLLM received, ids it sampled) per request,
         read from vLLM's own ``RequestOutput`` (``prompt_token_ids``, ``outputs[0].token_ids``)."""
+        self.record_path = os.environ.get("AGENTRL_ENGINE_RECORD", "")
+        """The same record as JSON lines ``{"prompt_ids", "token_ids"}`` appended to this file, when set (tests)."""
 
     def generate(self, requests: list[SampleRequest], trajectory_ids: list[str] | None = None) -> list[Sample]:
         """Sample one completion per request, batched in one engine call (``trajectory_ids``: unused, one replica).
@@ -207,6 +210,10 @@ class VLLMEngine:
                     c = out.outputs[0]
                     if self.record is not None:
                         self.record.append((list(out.prompt_token_ids), list(c.token_ids)))
+                    if self.record_path:
+                        with open(self.record_path, "a") as f:
+                            f.write(json.dumps({"prompt_ids": list(out.prompt_token_ids),
+                                                "token_ids": list(c.token_ids)}) + "\n")
                     ids = list(c.token_ids)
                     lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
                     samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop",

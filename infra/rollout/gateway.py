@@ -72,6 +72,9 @@ class GatewayEpisode(Protocol):
     def exec_command(self, command: str, timeout_s: float | None) -> dict | str:
         """Run ``command`` in the episode's sandbox shell; a str is why not (the episode has ended)."""
 
+    def fail(self, reason: str) -> None:
+        """End the episode as an infra failure (the gateway itself failed on one of its calls)."""
+
 
 def _text(content: Any) -> str:
     """A message's content as text (a list of parts is joined, as vLLM's server does for text parts)."""
@@ -235,6 +238,13 @@ class Gateway:
                                "authentication_error", code="invalid_api_key")
         return s
 
+    def _fail(self, key: str) -> None:
+        """An unexpected error serving ``key``: its episode ends as ``infra_failure/harness_error``."""
+        with self._lock:
+            s = self._sessions.get(key)
+        if s is not None:
+            s.episode.fail("harness_error")
+
     # -- the chat-completions call --------------------------------------------------------
     def complete(self, key: str, body: Any) -> dict:
         """Serve one chat-completions request body for episode ``key``; returns the OpenAI response dict.
@@ -372,6 +382,10 @@ class Gateway:
                 response = await run_in_threadpool(self.complete, key, body)
             except GatewayError as err:
                 return error(err)
+            except Exception as err:  # noqa: BLE001 - a gateway bug: a 500 the harness may retry, logged here
+                log.exception("gateway: chat completion for %s failed", key)
+                self._fail(key)
+                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
             if isinstance(body, dict) and body.get("stream"):
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return StreamingResponse(_sse_chunks(response, usage), media_type="text/event-stream")
@@ -390,6 +404,10 @@ class Gateway:
                 return JSONResponse(await run_in_threadpool(self.exec_command, key, await body_of(request)))
             except GatewayError as err:
                 return error(err)
+            except Exception as err:  # noqa: BLE001 - as for chat
+                log.exception("gateway: sandbox exec for %s failed", key)
+                self._fail(key)
+                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
 
         app.post("/e/{key}/v1/chat/completions")(chat)
         app.get("/e/{key}/v1/models")(models)

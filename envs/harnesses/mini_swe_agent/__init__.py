@@ -31,7 +31,7 @@ class MiniSweAgentHarness(SubprocessHarness):
     def command(self, workdir: Path, endpoint, instruction: str, max_turns: int, command_timeout_s: float) -> list[str]:
         """Upstream's ``mini`` CLI with the builtin config and ours (model, environment, limits) merged over it."""
         ours = {
-            "agent": {"agent_class": "default", "step_limit": max_turns, "cost_limit": 0,
+            "agent": {"agent_class": "default", "step_limit": 0, "cost_limit": 0,  # the runner ends it (max_turns)
                       "output_path": str(workdir / "trajectory.json")},
             "model": {"model_class": "litellm_textbased", "model_name": "openai/policy",
                       "cost_tracking": "ignore_errors",
@@ -41,7 +41,7 @@ class MiniSweAgentHarness(SubprocessHarness):
         }
         (workdir / "agentrl.yaml").write_text(yaml.safe_dump(ours))
         return ["-m", "minisweagent.run.mini", "-c", self.config, "-c", str(workdir / "agentrl.yaml"),
-                "-t", instruction, "--exit-immediately"]
+                "-t", instruction, "--exit-immediately", "-o", str(workdir / "trajectory.json")]
 
     def env(self, workdir: Path) -> dict[str, str]:
         """No setup prompt, no cost lookups online (litellm's local cost map), our environment class importable."""
