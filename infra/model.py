@@ -79,10 +79,11 @@ def prepare_smollm2(out: Path | None = None) -> Path:
     return out
 
 
-def build_tiny_llama(out: Path, seed: int = 0) -> Path:
+def build_tiny_llama(out: Path, seed: int = 0, max_positions: int = 2048) -> Path:
     """A tiny random Llama with a byte-level BPE tokenizer (vocab 512) and a ChatML template.
 
-    2 layers, hidden 128, head dim 64 (vLLM's CPU attention has no kernel for head dim 16).
+    2 layers, hidden 128, head dim 64 (vLLM's CPU attention has no kernel for head dim 16);
+    ``max_positions``: its context (a harness's own long prompts need more than the default).
     Used by tests: real vLLM and DeepSpeed run it in seconds. About 1 MB.
     """
     import torch
@@ -106,7 +107,7 @@ def build_tiny_llama(out: Path, seed: int = 0) -> Path:
     fast.chat_template = CHATML_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
                          tie_word_embeddings=True, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id)
     model = LlamaForCausalLM(config).to(torch.float32)

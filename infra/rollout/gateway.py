@@ -267,7 +267,7 @@ class Gateway:
             except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
                 raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
                                    f"{type(err).__name__}: {err}", param="messages") from err
-            requested = request.max_completion_tokens or request.max_tokens
+            requested = request.max_completion_tokens or body.get("max_tokens")
             stop = tuple([request.stop] if isinstance(request.stop, str) else (request.stop or []))
             overhead = time.monotonic() - start
             result = ep.sample_ids(prompt_ids, extends, requested, stop)

@@ -46,6 +46,8 @@ def split_segments(rows: list[dict], adv: np.ndarray) -> tuple[list[dict], np.nd
     A segment (``segment_starts``, see ``infra.store.Trajectory``) is one token sequence the engine
     received and sampled on, so the trainer scores it with nothing before it in context, as the engine
     did. The episode's advantage applies to every segment (as step-wise training does: SkyRL, rLLM).
+    A row with no tokens to predict (it ended before its first engine call) keeps its place in the
+    group's advantages but yields no sequence.
 
     Returns:
         (segment rows, advantages, origin): ``adv`` float64 of shape (S,), ``origin[j]`` the index in ``rows``
@@ -56,6 +58,8 @@ def split_segments(rows: list[dict], adv: np.ndarray) -> tuple[list[dict], np.nd
         starts = list(r.get("segment_starts") or [0])
         n = len(r["token_ids"])
         for lo, hi in zip(starts, [*starts[1:], n], strict=True):
+            if hi - lo < 2:  # nothing to predict (an episode that ended before its first call): no sequence
+                continue
             out.append(r if len(starts) == 1 else {**r, **{c: r[c][lo:hi] for c in _PER_TOKEN}, "segment_starts": [0]})
             out_adv.append(a)
             origin.append(k)

@@ -92,17 +92,22 @@ def test_the_runner_stops_a_harness_past_its_turns(tiny_tokenizer, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mini_swe_agent_run(tiny_model, s3, tmp_path_factory, prefect_harness):
-    """One post_train step with mini-swe-agent acting on a shipped Harbor task and the shipped Terminal-Bench tasks."""
+def mini_swe_agent_run(s3, tmp_path_factory, prefect_harness):
+    """One post_train step with mini-swe-agent acting on a shipped Harbor task and the shipped Terminal-Bench tasks.
+
+    The tiny Llama's tokenizer (vocab 512) spends ~2,100 tokens on mini-swe-agent's own prompt: its context is 4k.
+    """
     import os
 
     from flows.post_train import post_train
+    from infra.model import build_tiny_llama
 
+    tiny_model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-4k", max_positions=4096)
     record = tmp_path_factory.mktemp("engine") / "record.jsonl"
     os.environ["AGENTRL_ENGINE_RECORD"] = str(record)
     config = RunConfig(
         run_id=f"msa-{uuid.uuid4().hex[:8]}", steps=1,
-        model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
+        model=ModelConfig(path=str(tiny_model), max_model_len=4096, kv_cache_gib=1.0),
         tasks=TaskSetConfig(task_sets=["envs/harbor/write-greeting"], humaneval_train=0, humaneval_eval=0),
         rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=24, max_turns=2,
                               harness=MiniSweAgentHarnessConfig(wall_timeout_s=300)),
@@ -142,3 +147,7 @@ def test_mini_swe_agent_rows_equal_what_the_engine_received_and_sampled(mini_swe
     assert "mswea_bash_command" in first and "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in first
     [s] = summaries
     assert s["rows_trained"] >= 1
+    print("mini-swe-agent rows:", [(r["task_id"], r["outcome"], r["agent_end"], r["num_turns"],
+                                    len(r["segment_starts"]), len(r["token_ids"])) for r in rows],
+          "engine calls:", len(calls),
+          "rows_trained:", s["rows_trained"], "segments_trained:", s.get("segments_trained"))

@@ -221,3 +221,25 @@ def test_reply_with_stop_strings_is_passed_to_the_engine(tiny_tokenizer, tmp_pat
 
     row, engine, _ = run(tiny_tokenizer, tmp_path, [Reply("ls /app")], script)
     assert engine.received[0].request.stop == ("</cmd>",) and engine.received[0].request.max_tokens == 10
+
+
+def test_a_row_that_ended_before_its_first_call_yields_no_sequence():
+    from tests.helpers import make_row
+
+    empty = make_row(token_ids=[], loss_mask=[], rollout_logprobs=[], policy_versions=[], min_policy_version=-1,
+                     max_policy_version=-1)
+    rows, adv, origin = split_segments([empty, make_row()], np.array([-0.5, 0.5]))
+    assert len(rows) == 1 and list(adv) == [0.5] and origin == [1]
+
+
+def test_per_token_versions_stay_exact_across_a_weight_update_between_calls(tiny_tokenizer, tmp_path):
+    def script(client, io, endpoint, errors):
+        first = client.chat.completions.create(model="policy", messages=[SYSTEM, USER])
+        io.runner.engine.policy_version = 1  # the scheduler's "pause" update lands between two calls
+        client.chat.completions.create(model="policy", messages=[
+            SYSTEM, USER, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}])
+
+    row, engine, _ = run(tiny_tokenizer, tmp_path, ["ls /app", "cat hello.txt"], script)
+    versions = [v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m]
+    assert versions == [0] * len(sampled(engine, 0)) + [1] * len(sampled(engine, 1))
+    assert (row["min_policy_version"], row["max_policy_version"]) == (0, 1)

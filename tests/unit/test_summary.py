@@ -22,7 +22,7 @@ STORED_KEYS = {
     "straggler_tail_s", "engine_idle_s", "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in",
     "groups_dropped", "policy_lag_hist",
 }
-ADDED_KEYS = {"rows_trained", "update_norm",  # since the step line says whether the step learned
+ADDED_KEYS = {"rows_trained", "update_norm", "segments_trained",  # since the step line says whether the step learned
               "completion_tokens_mean", "turns_mean",  # since the report plots response length and turns
               "verifier_tampered"}  # since verification detects tampering
 TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,

@@ -1,0 +1,111 @@
+"""The gateway's overhead per call against a direct engine call on the same prompts, one run, SmolLM2-135M.
+
+Both sides drive the same in-process vLLM engine with the same prompt ids, sampling parameters and
+seeds, in alternating pairs (so both see the same machine state):
+
+- direct: ``engine.generate([SampleRequest(ids, ...)])``, the ids rendered once beforehand;
+- gateway: an OpenAI chat-completions request over loopback HTTP (``httpx``) to the episode's
+  endpoint: JSON parsing and validation (vLLM's ``ChatCompletionRequest``), chat-template rendering,
+  the engine call, the reply (and its JSON) back.
+
+Prints the median and p90 per-call wall time of each, their ratio (gateway / direct) and the
+gateway's own time (rendering, parsing, excluding the engine) per call. Each pair is checked to have
+sampled the same ids (the same prompt ids reached the engine).
+
+Usage: ``python -m benchmarks.gateway_overhead [--calls 24] [--max-tokens 32]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class _Episode:
+    """The gateway's episode side, minimal: every call samples on exactly the ids the gateway built."""
+
+    def __init__(self, engine, max_tokens: int, seed: int):
+        self.engine, self.max_tokens, self.seed = engine, max_tokens, seed
+        self.max_model_len, self.model_name = engine.max_model_len, "policy"
+        self.last = None
+
+    def sample_ids(self, prompt_ids, extends, max_tokens, stop):
+        from infra.rollout.engine import SampleRequest
+
+        (s,) = self.engine.generate([SampleRequest(prompt_ids, self.max_tokens, 1.0, 1.0, self.seed, stop=stop)])
+        self.last = s
+        return s
+
+    def exec_command(self, command, timeout_s):
+        return "no sandbox in this benchmark"
+
+    def fail(self, reason):
+        raise RuntimeError(reason)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the alternating pairs and print the medians and the ratio."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calls", type=int, default=24, help="pairs (direct, gateway)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
+    args = parser.parse_args(argv)
+
+    import httpx
+
+    from envs.agent import SYSTEM_PROMPT
+    from infra.model import resolve_model
+    from infra.rollout.engine import SampleRequest, VLLMEngine
+    from infra.rollout.gateway import Gateway
+
+    model_dir = str(resolve_model(args.model))
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=2048, kv_cache_gib=1.0)
+    gateway = Gateway(engine.tokenizer, tool_parser="")
+    client = httpx.Client(timeout=120)
+    direct_s, gateway_s, same = [], [], 0
+    try:
+        for i in range(args.calls + 2):  # the first two pairs warm up (not counted)
+            messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": f"Write the number {i} to /app/n.txt, then say DONE."}]
+            ep = _Episode(engine, args.max_tokens, seed=1000 + i)
+            endpoint = gateway.open(ep)
+            ids = engine.tokenizer.encode(gateway.renderer.render(messages, None, True), add_special_tokens=False)
+            t0 = time.perf_counter()
+            (direct,) = engine.generate([SampleRequest(ids, args.max_tokens, 1.0, 1.0, 1000 + i)])
+            t1 = time.perf_counter()
+            resp = client.post(endpoint.base_url + "/chat/completions", json={"model": "policy", "messages": messages})
+            t2 = time.perf_counter()
+            resp.raise_for_status()
+            gateway.close(endpoint.key)
+            if i >= 2:
+                direct_s.append(t1 - t0)
+                gateway_s.append(t2 - t1)
+                same += ep.last.token_ids == direct.token_ids
+    finally:
+        gateway.shutdown()
+        engine.close()
+    d, g = np.array(direct_s), np.array(gateway_s)
+    result = {"model": args.model, "calls": args.calls, "max_tokens": args.max_tokens,
+              "direct_median_ms": 1e3 * float(np.median(d)), "direct_p90_ms": 1e3 * float(np.quantile(d, 0.9)),
+              "gateway_median_ms": 1e3 * float(np.median(g)), "gateway_p90_ms": 1e3 * float(np.quantile(g, 0.9)),
+              "ratio_median": float(np.median(g) / np.median(d)),
+              "overhead_median_ms": 1e3 * float(np.median(g - d)),
+              "gateway_own_ms_per_call": 1e3 * gateway.overhead_s / max(gateway.calls, 1),
+              "same_ids_pairs": same}
+    print(f"direct  median {result['direct_median_ms']:.1f} ms  p90 {result['direct_p90_ms']:.1f} ms")
+    print(f"gateway median {result['gateway_median_ms']:.1f} ms  p90 {result['gateway_p90_ms']:.1f} ms")
+    print(f"ratio gateway/direct (median) {result['ratio_median']:.3f}; overhead {result['overhead_median_ms']:.1f} ms "
+          f"per call, of which rendering/parsing {result['gateway_own_ms_per_call']:.1f} ms; "
+          f"same sampled ids in {same}/{args.calls} pairs")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
