@@ -146,6 +146,9 @@ def validate_rows(rows: Sequence[dict]) -> None:
                 or (n and starts[-1] >= n)):
             raise SchemaError(f"row {i} ({row['episode_id']}): segment_starts {starts[:8]} must start at 0 and "
                               f"rise strictly below token_ids' length {n}")
+        if any(row["loss_mask"][k] for k in starts[1:]):
+            raise SchemaError(f"row {i} ({row['episode_id']}): a segment of segment_starts {starts[:8]} begins on a "
+                              "sampled token; a segment begins with the prompt ids the engine received")
 
 
 def write_step(fs, uri: str, rows: Sequence[dict]) -> int:

@@ -491,8 +491,8 @@ class Collector:
         sampled = [v for v, m in zip(e.versions, e.loss_mask, strict=True) if m]
         return Trajectory(
             run_id=run_id, step=step, episode_id=e.episode_id, task_id=e.task.task_id, group_id=e.group_id,
-            sample_index=e.sample_index, attempt=e.attempt, token_ids=e.token_ids, loss_mask=e.loss_mask,
-            rollout_logprobs=e.logprobs, policy_versions=e.versions,
+            sample_index=e.sample_index, attempt=e.attempt, token_ids=list(e.token_ids), loss_mask=list(e.loss_mask),
+            rollout_logprobs=list(e.logprobs), policy_versions=list(e.versions),
             min_policy_version=min(sampled) if sampled else -1, max_policy_version=max(sampled) if sampled else -1,
             prompt_tokens=e.prompt_tokens, completion_tokens=sum(e.loss_mask), reward=reward, outcome=str(outcome),
             reason=reason, stop_reason=e.stop_reason, agent_end=e.agent_end, num_turns=e.num_turns,
@@ -500,7 +500,7 @@ class Collector:
             temperature=self.s.temperature, top_p=self.s.top_p, max_tokens=self.s.max_tokens_per_turn,
             queue_s=e.queue_s, sandbox_acquire_s=e.sandbox_acquire_s, generation_s=e.generation_s, tool_s=e.tool_s,
             verify_s=e.verify_s, engine_replica=e.engine_replica or self.engine.replica, sandbox_id=e.sandbox_id,
-            sandbox_warm=e.sandbox_warm, segment_starts=e.segment_starts,
+            sandbox_warm=e.sandbox_warm, segment_starts=list(e.segment_starts),
         ).row()
 
 

@@ -29,6 +29,7 @@ commands in the episode's sandbox: ``{"command", "timeout_s"}`` -> ``{"output", 
 
 import json
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -44,7 +45,10 @@ log = logging.getLogger(__name__)
 UNSUPPORTED = {  # request field -> the value we serve (anything else is refused)
     "n": 1, "logit_bias": None, "use_beam_search": False, "echo": False, "top_logprobs": 0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "response_format": None, "prompt_logprobs": None,
-    "continue_final_message": False,
+    "continue_final_message": False, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "chat_template": None, "chat_template_kwargs": None, "allowed_token_ids": None,
+    "bad_words": [], "min_p": None, "repetition_penalty": None, "logprob_token_ids": None,
 }
 """Parameters the trainer could not account for (they change the sampling distribution or the reply count)."""
 
@@ -170,6 +174,7 @@ class _Session:
     transcript: Transcript = field(default_factory=Transcript)
     history_ids: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time per episode
+    closed: bool = False  # set under ``lock`` by :meth:`Gateway.close`: no call changes the row after it
 
 
 @dataclass(frozen=True)
@@ -218,9 +223,12 @@ class Gateway:
         return Endpoint(base + "/v1", key, base + "/sandbox/exec")
 
     def close(self, key: str) -> None:
-        """Forget an episode (later requests with its key are refused as unknown)."""
+        """Forget an episode: waits for a call in flight to finish recording, then refuses its key as unknown."""
         with self._lock:
-            self._sessions.pop(key, None)
+            s = self._sessions.pop(key, None)
+        if s is not None:
+            with s.lock:
+                s.closed = True
 
     def shutdown(self) -> None:
         """Stop the server thread."""
@@ -256,6 +264,9 @@ class Gateway:
         session = self._session(key)
         request = self._parse(body)
         with session.lock:
+            if session.closed:
+                raise GatewayError(401, f"unknown episode key '{key[:40]}': the episode ended",
+                                   "authentication_error", code="invalid_api_key")
             start = time.monotonic()
             ep = session.episode
             messages = normalize_messages(body["messages"])
@@ -267,7 +278,12 @@ class Gateway:
             except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
                 raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
                                    f"{type(err).__name__}: {err}", param="messages") from err
-            requested = request.max_completion_tokens or body.get("max_tokens")
+            requested = body.get("max_completion_tokens", body.get("max_tokens"))
+            if requested is not None:
+                requested = request.max_completion_tokens or request.__dict__.get("max_tokens")
+                if not isinstance(requested, int) or requested < 1:
+                    raise GatewayError(400, f"max_tokens must be a positive integer, got {requested!r}",
+                                       param="max_tokens")
             stop = tuple([request.stop] if isinstance(request.stop, str) else (request.stop or []))
             overhead = time.monotonic() - start
             result = ep.sample_ids(prompt_ids, extends, requested, stop)
@@ -300,12 +316,27 @@ class Gateway:
             raise GatewayError(400, "the request body must be a JSON object with 'messages'", param="body")
         if not body.get("messages"):
             raise GatewayError(400, "'messages' is required: a non-empty list of chat messages", param="messages")
+        from vllm.exceptions import VLLMValidationError
+
         try:
             request = ChatCompletionRequest.model_validate(body)
         except ValidationError as err:
-            first = err.errors()[0]
+            first = min(err.errors(), key=lambda e: len(e["loc"]))
             where = ".".join(str(p) for p in first["loc"])
             raise GatewayError(400, f"invalid request: {where}: {first['msg']}", param=where) from err
+        except (VLLMValidationError, ValueError) as err:
+            raise GatewayError(400, f"invalid request: {err}", param=getattr(err, "parameter", None)) from err
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise GatewayError(400, f"unsupported parameter 'tool_choice'={body['tool_choice']!r}: forcing a tool "
+                               "call constrains sampling, which the trainer cannot account for; serves 'auto' and "
+                               "'none'", param="tool_choice", code="unsupported_parameter")
+        for i, m in enumerate(body["messages"]):
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type") not in ("text", None)
+                                               for p in parts):
+                raise GatewayError(400, f"unsupported content in messages.{i}: only text parts are served "
+                                   "(the policy is a text model)", param=f"messages.{i}.content",
+                                   code="unsupported_parameter")
         for name, served in UNSUPPORTED.items():
             value = body.get(name, served)
             if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
@@ -314,7 +345,7 @@ class Gateway:
                 raise GatewayError(400, f"unsupported parameter '{name}'={value!r}: this endpoint samples for "
                                    f"training and serves only {name}={served!r}", param=name,
                                    code="unsupported_parameter")
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        for name in ("temperature", "top_p", "top_k", "seed"):
             if body.get(name) is not None:
                 self.overridden[name] = self.overridden.get(name, 0) + 1
         return request
@@ -348,7 +379,15 @@ class Gateway:
         if not isinstance(body, dict) or not isinstance(body.get("command"), str):
             raise GatewayError(400, "the body must be {\"command\": str, \"timeout_s\": number?}", param="command")
         timeout = body.get("timeout_s")
-        result = session.episode.exec_command(body["command"], float(timeout) if timeout else None)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise GatewayError(400, f"timeout_s must be a positive number of seconds, got {timeout!r}",
+                               param="timeout_s")
+        with session.lock:
+            if session.closed:
+                raise GatewayError(401, f"unknown episode key '{key[:40]}': the episode ended",
+                                   "authentication_error", code="invalid_api_key")
+            result = session.episode.exec_command(body["command"], float(timeout) if timeout else None)
         if isinstance(result, str):
             raise GatewayError(409, f"the episode has ended ({result}): no more commands run in its sandbox",
                                code="episode_ended")
@@ -356,11 +395,18 @@ class Gateway:
 
     # -- the server ---------------------------------------------------------------------------
     def _app(self):
+        import anyio
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, StreamingResponse
-        from starlette.concurrency import run_in_threadpool
 
         app = FastAPI(title="agentrl gateway", docs_url=None, redoc_url=None)
+        limiter: list = []
+
+        async def run_in_threadpool(fn, *args):
+            """A thread per call in flight (anyio's default pool of 40 would cap concurrent episodes)."""
+            if not limiter:
+                limiter.append(anyio.CapacityLimiter(4096))
+            return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=limiter[0])
 
         def error(err: GatewayError):
             self.refused += 1
@@ -420,6 +466,12 @@ class Gateway:
         @app.get("/v1/models")
         async def models_bearer(request: Request):
             return await models(bearer(request))
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        async def not_served(path: str):
+            return error(GatewayError(404, f"/{path} is not served: this gateway speaks the OpenAI chat-completions "
+                                      "API only (POST .../v1/chat/completions, GET .../v1/models)",
+                                      code="not_found"))
 
         return app
 

@@ -243,3 +243,42 @@ def test_per_token_versions_stay_exact_across_a_weight_update_between_calls(tiny
     versions = [v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m]
     assert versions == [0] * len(sampled(engine, 0)) + [1] * len(sampled(engine, 1))
     assert (row["min_policy_version"], row["max_policy_version"]) == (0, 1)
+
+
+def test_parameters_that_change_sampling_are_refused_and_odd_values_get_400s(tiny_tokenizer, tmp_path):
+    def script(client, io, endpoint, errors):
+        url = endpoint.base_url + "/chat/completions"
+        for extra in ({"tool_choice": "required"}, {"min_tokens": 5}, {"ignore_eos": True}, {"max_tokens": -5},
+                      {"max_tokens": 0}, {"chat_template": "{{ x }}"},
+                      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
+            r = httpx.post(url, json={"model": "policy", "messages": [SYSTEM, USER], **extra}, timeout=30)
+            errors.append((r.status_code, r.json()["error"]["param"]))
+        r = httpx.post(endpoint.exec_url, json={"command": "ls /app", "timeout_s": "abc"}, timeout=30)
+        errors.append((r.status_code, r.json()["error"]["param"]))
+        r = httpx.post(endpoint.base_url + "/responses", json={}, timeout=30)
+        errors.append((r.status_code, r.json()["error"]["code"]))
+        client.chat.completions.create(model="policy", messages=[SYSTEM, USER], max_tokens=10)  # the run goes on
+
+    row, engine, harness = run(tiny_tokenizer, tmp_path, ["ls /app"], script)
+    assert harness.errors == [(400, "tool_choice"), (400, "min_tokens"), (400, "ignore_eos"), (400, "max_tokens"),
+                              (400, "max_tokens"), (400, "chat_template"), (400, "messages.0.content"),
+                              (400, "timeout_s"), (404, "not_found")]
+    assert len(engine.received) == 1 and row["outcome"] != "infra_failure" and not row["commands"]
+
+
+def test_a_call_in_flight_when_the_harness_stops_is_recorded_before_the_row(tiny_tokenizer, tmp_path):
+    import threading
+    import time
+
+    def slow(episode, turn, request):
+        time.sleep(1.0)
+        return "ls /app"
+
+    def script(client, io, endpoint, errors):
+        t = threading.Thread(target=lambda: client.chat.completions.create(model="policy", messages=[SYSTEM, USER]))
+        t.start()
+        time.sleep(0.3)  # the harness returns with its call still in the engine
+
+    row, engine, _ = run(tiny_tokenizer, tmp_path, slow, script)
+    assert len(engine.received) == 1
+    assert row["token_ids"] == engine.received[0].request.prompt_ids + sampled(engine, 0) and row["num_turns"] == 1

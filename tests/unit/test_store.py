@@ -50,7 +50,9 @@ def test_validate_rows_invariants():
         validate_rows([make_row(extra=1)])
     with pytest.raises(SchemaError, match="NaN rollout logprob"):
         validate_rows([make_row(rollout_logprobs=[0.0, 0.0, float("nan"), -1.0])])
-    validate_rows([make_row(segment_starts=[0, 2])])
+    validate_rows([make_row(segment_starts=[0, 1])])
+    with pytest.raises(SchemaError, match="begins on a sampled token"):
+        validate_rows([make_row(segment_starts=[0, 2])])
     for bad in ([], [1], [0, 2, 2], [0, 4]):
         with pytest.raises(SchemaError, match="segment_starts .* must start at 0 and rise strictly below"):
             validate_rows([make_row(segment_starts=bad)])
