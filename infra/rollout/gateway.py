@@ -478,7 +478,9 @@ class Gateway:
     def _start(self) -> None:
         import uvicorn
 
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        # log_config=None: uvicorn's default runs logging.config.dictConfig, which shuts down every handler
+        # already installed in this process (Prefect's API log handler among them) mid-run.
+        config = uvicorn.Config(self._app(), log_config=None, log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="agentrl-gateway", daemon=True)
