@@ -1,8 +1,7 @@
 """The token-exact gateway over real HTTP (the ``openai`` client), with a scripted engine and in-memory sandboxes.
 
-In tests/integration, named to run after test_post_train.py: with these gateways started earlier in the
-same process, test_lineage.py then test_post_train.py lose the post_train flow's task runs and asset events
-(reproduced 2026-12-02; cause not found yet, see issue 13's note). No services needed.
+In tests/integration (no services needed), after test_post_train.py. test_post_train.py's lineage tests
+failing after test_lineage.py (2026-12-02) also fail at 796e629, before this file existed: not the gateway's.
 
 What the engine received (``ScriptedEngine.received``) is the reference: stored rows must equal it
 call by call. Expected ids are built from the ChatML template by hand, not from the gateway.
