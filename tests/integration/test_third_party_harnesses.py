@@ -31,10 +31,9 @@ def action(command: str) -> str:
 def scripted_episode(tiny_tokenizer, tmp_path, replies, harness, max_turns=5):
     """One episode of the real harness against a scripted engine and an in-memory sandbox (``tests.fakes``)."""
     from envs.harnesses.mini_swe_agent import MiniSweAgentHarness
-    from infra.rollout.collector import Collector, CollectSettings
-    from infra.rollout.scheduler import EpisodeJob
-    from tests.fakes import InMemoryBackend, ScriptedEngine
-    from tests.unit.test_episode import CODE_IMAGE, DIGEST, IMAGE, terminal_task, world
+    from tests.fakes import ScriptedEngine
+    from tests.integration.test_token_gateway import run_episode
+    from tests.unit.test_episode import world
 
     def sandbox(box, command):
         if command == SUBMIT:
@@ -42,16 +41,8 @@ def scripted_episode(tiny_tokenizer, tmp_path, replies, harness, max_turns=5):
         return world(box, command)
 
     engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=4096)
-    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=400,
-                               max_turns=max_turns, seed=0, max_infra_retries=0)
     harness = harness or MiniSweAgentHarness(wall_timeout_s=120)
-    c = Collector(engine, InMemoryBackend(sandbox), settings, code_image=CODE_IMAGE, harness=harness)
-    task = terminal_task(tmp_path)
-    c.bind("run", 0, {task.task_id: (IMAGE, DIGEST)})
-    try:
-        row = c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0))
-    finally:
-        c.close()
+    row = run_episode(engine, sandbox, harness, tmp_path, max_turns=max_turns, max_tokens_per_turn=400)
     return row, engine, harness
 
 

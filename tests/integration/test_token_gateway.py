@@ -47,12 +47,11 @@ class ClientHarness:
             io.close_gateway(endpoint)
 
 
-def run(tiny_tokenizer, tmp_path, replies, script, max_turns=5, max_model_len=2048):
-    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=max_model_len)
-    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=64,
+def run_episode(engine, exec_fn, harness, tmp_path, max_turns=5, max_tokens_per_turn=64) -> dict:
+    """One terminal episode of ``harness`` on ``engine`` and in-memory sandboxes answered by ``exec_fn``; its row."""
+    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=max_tokens_per_turn,
                                max_turns=max_turns, seed=0, max_infra_retries=0)
-    harness = ClientHarness(script)
-    c = Collector(engine, InMemoryBackend(world), settings, code_image=CODE_IMAGE, harness=harness)
+    c = Collector(engine, InMemoryBackend(exec_fn), settings, code_image=CODE_IMAGE, harness=harness)
     task = terminal_task(tmp_path)
     c.bind("run", 0, {task.task_id: (IMAGE, DIGEST)})
     try:
@@ -60,7 +59,13 @@ def run(tiny_tokenizer, tmp_path, replies, script, max_turns=5, max_model_len=20
     finally:
         c.close()
     validate_rows([row])
-    return row, engine, harness
+    return row
+
+
+def run(tiny_tokenizer, tmp_path, replies, script, max_turns=5, max_model_len=2048):
+    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=max_model_len)
+    harness = ClientHarness(script)
+    return run_episode(engine, world, harness, tmp_path, max_turns), engine, harness
 
 
 def sampled(engine, i):
