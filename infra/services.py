@@ -65,7 +65,7 @@ BASE_RECIPE = "3"
 BASE_RECIPE_LABEL = "agentrl.recipe"
 # not under agentrl.base.*: those labels mark the local equivalents of registry images (infra.base_images)
 READY_TIMEOUT_S = 60.0
-# dockerd's data root: a loop-mounted btrfs with quotas, so every sandbox gets a disk limit
+# dockerd's data root: a loop-mounted btrfs with simple quotas, so every sandbox gets a disk limit
 # (overlay2 on this machine's ext4 has none; XFS project quotas are not in this kernel). It lives
 # outside any checkout and survives `make down`, so images stay cached across clones and runs.
 BTRFS_IMAGE = Path("/var/lib/agentrl/docker-btrfs.img")
@@ -293,8 +293,66 @@ def _mounted(path: Path) -> bool:
     return any(line.split()[1] == str(path) for line in mounts if len(line.split()) > 1)
 
 
+# btrfs ioctls (linux/btrfs.h): _IOWR(0x94, 40, quota_ctl_args{u64 cmd, u64 status}) and
+# _IOR(0x94, 31, fs_info_args, 1024 bytes; fsid at offset 16)
+_BTRFS_IOC_QUOTA_CTL = 0xC0109428
+_BTRFS_IOC_FS_INFO = 0x8400941F
+_QUOTA_CTL_DISABLE, _QUOTA_CTL_ENABLE_SIMPLE = 2, 4
+
+
+def quota_mode(root: Path) -> str:
+    """The btrfs quota mode of the filesystem at ``root``: ``squota``, ``qgroup`` (full) or ``disabled``.
+
+    Read from ``/sys/fs/btrfs/<fsid>/qgroups/mode`` (kernel 6.7+; an older kernel with quotas on
+    reads ``qgroup``). Raises OSError when ``root`` is not on btrfs.
+    """
+    import fcntl
+    import uuid
+
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        info = bytearray(1024)
+        fcntl.ioctl(fd, _BTRFS_IOC_FS_INFO, info)
+    finally:
+        os.close(fd)
+    qgroups = Path("/sys/fs/btrfs") / str(uuid.UUID(bytes=bytes(info[16:32]))) / "qgroups"
+    if not qgroups.is_dir():
+        return "disabled"
+    mode = qgroups / "mode"
+    return mode.read_text().strip() if mode.exists() else "qgroup"
+
+
+def _enable_quota(root: Path) -> None:
+    """Turn on simple quotas (squota, kernel 6.7+) at ``root``, else full qgroups, with a warning.
+
+    Why simple: under full qgroups the kernel marks the accounting inconsistent when a qgroup with
+    non-zero numbers is deleted (dockerd removing a container races the accounting), and from then
+    until a rescan it stops accounting, so no ``--storage-opt size`` limit holds (seen in CI: a 1 GiB
+    write into a 200 MiB sandbox succeeded). Simple quotas are never inconsistent, and count only
+    the extents a subvolume itself allocates: a sandbox's limit bounds what it writes, not its image.
+    dockerd disables quotas whenever it stops (moby's btrfs ``Cleanup``), so this runs at every start.
+    """
+    import fcntl
+    import struct
+
+    if quota_mode(root) == "squota":
+        return
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if quota_mode(root) != "disabled":
+            fcntl.ioctl(fd, _BTRFS_IOC_QUOTA_CTL, bytearray(struct.pack("QQ", _QUOTA_CTL_DISABLE, 0)))
+        fcntl.ioctl(fd, _BTRFS_IOC_QUOTA_CTL, bytearray(struct.pack("QQ", _QUOTA_CTL_ENABLE_SIMPLE, 0)))
+        return
+    except OSError as e:
+        log.warning("btrfs simple quotas unavailable (%s): using full qgroups, whose limits lapse while "
+                    "the accounting is inconsistent (until a `btrfs quota rescan`)", e)
+    finally:
+        os.close(fd)
+    subprocess.run([_which("btrfs") or "btrfs", "quota", "enable", str(root)], check=True, capture_output=True)
+
+
 def _btrfs_data_root() -> Path | None:
-    """Mount (creating it once) the btrfs data root with quotas enabled; None when it cannot be had.
+    """Mount (creating it once) the btrfs data root with quotas on (:func:`_enable_quota`); None when it cannot be had.
 
     On by default; ``AGENTRL_DOCKER_QUOTA=0`` keeps dockerd on overlay2 (faster cold starts, no
     per-sandbox disk limit). Any failure (no loop device, no btrfs in the kernel, no btrfs-progs)
@@ -315,8 +373,7 @@ def _btrfs_data_root() -> Path | None:
                                capture_output=True)
                 tmp.rename(BTRFS_IMAGE)
             subprocess.run(["mount", "-o", "loop", str(BTRFS_IMAGE), str(BTRFS_ROOT)], check=True, capture_output=True)
-        subprocess.run([_which("btrfs") or "btrfs", "quota", "enable", str(BTRFS_ROOT)], check=True,
-                       capture_output=True)
+        _enable_quota(BTRFS_ROOT)
         return BTRFS_ROOT
     except (subprocess.CalledProcessError, OSError, RuntimeError) as e:
         detail = getattr(e, "stderr", b"") or b""
