@@ -49,6 +49,10 @@ def checkout_server(tmp_path_factory, services_env):
     api_url = prefect_server.start(home, port=free_port(), home=home)  # its own database and profile
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            # Prefect keys its EventsWorker by client type, not API URL: one started for another server
+            # (the session's test harness, by an earlier module) would keep sending this module's task
+            # runs and asset events there. Drained, the next event starts one for this server.
+            drain_prefect_workers()
             yield api_url
             drain_prefect_workers()  # send what is queued for this server before it stops (or the session's
             # harness teardown later waits forever on events addressed to a server that is gone)

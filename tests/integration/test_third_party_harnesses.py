@@ -17,8 +17,6 @@ from infra.config import EvalConfig, MiniSweAgentHarnessConfig, ModelConfig, Rol
 from infra.store import read_step
 
 pytestmark = pytest.mark.integration
-# Runs after test_post_train.py. Its lineage tests failing after test_lineage.py (2026-12-02) also fail at
-# 796e629, before this module existed: see issue 13's note.
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

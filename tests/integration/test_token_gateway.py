@@ -1,7 +1,6 @@
 """The token-exact gateway over real HTTP (the ``openai`` client), with a scripted engine and in-memory sandboxes.
 
-In tests/integration (no services needed), after test_post_train.py. test_post_train.py's lineage tests
-failing after test_lineage.py (2026-12-02) also fail at 796e629, before this file existed: not the gateway's.
+In tests/integration: no services needed.
 
 What the engine received (``ScriptedEngine.received``) is the reference: stored rows must equal it
 call by call. Expected ids are built from the ChatML template by hand, not from the gateway.
