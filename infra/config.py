@@ -158,13 +158,41 @@ class MiniSweAgentHarnessConfig(_Strict):
     """vLLM tool parser for requests with ``tools`` (``hermes``, ``llama3_json``, ...; "" parses none)."""
 
 
-HarnessConfig = Annotated[BashFenceHarnessConfig | MiniSweAgentHarnessConfig,
+class Terminus2HarnessConfig(_Strict):
+    """Harbor's Terminus-2 (PyPI ``harbor``), unmodified, in a Python 3.13 container, through the gateway."""
+
+    kind: Literal["terminus-2"] = "terminus-2"
+    """``terminus-2``: Harbor's agent (its prompts, reply parser, tmux session, summarization) against the
+    episode's gateway endpoint, each command under ``bash -c`` in the episode's sandbox."""
+    version: str = Field("0.25.0", pattern=r"^[0-9][0-9a-z.]*$")
+    """The harbor release from PyPI (wheels for CPython 3.13, installed once under ``.state/harnesses``)."""
+    parser: Literal["json", "xml"] = "json"
+    """Terminus-2's reply format (upstream's ``parser_name``)."""
+    enable_summarize: bool = True
+    """Upstream's context summarization (extra model calls; each starts a new trained segment)."""
+    proactive_summarization_threshold: int = Field(8000, ge=0)
+    """Free context tokens below which Terminus-2 summarizes (upstream's 8000 assumes a long context; 0: only
+    on overflow)."""
+    max_output_tokens: int = Field(512, gt=0)
+    """What ``model_info`` tells Terminus-2 a reply may hold (the run's ``max_tokens_per_turn`` still caps it)."""
+    wall_timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock cap on one episode's harness container (then ``agent_timeout``)."""
+    tool_parser: str = ""
+    """vLLM tool parser for requests with ``tools`` (Terminus-2 sends none)."""
+
+
+HarnessConfig = Annotated[BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig,
                           Field(discriminator="kind", json_schema_extra=_any_of)]
 """``rollout.harness``: what acts in each episode, chosen by ``kind``."""
 
 
-def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig):
+def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig):
     """The harness object for ``rollout.harness``."""
+    if isinstance(c, Terminus2HarnessConfig):
+        from envs.harnesses.terminus_2 import Terminus2Harness
+
+        return Terminus2Harness(c.version, c.parser, c.wall_timeout_s, c.enable_summarize,
+                                c.proactive_summarization_threshold, c.max_output_tokens, c.tool_parser)
     if isinstance(c, MiniSweAgentHarnessConfig):
         from envs.harnesses.mini_swe_agent import MiniSweAgentHarness
 

@@ -26,6 +26,7 @@ Decode = Callable[[list[int]], str]
 INSTRUCTION_LIMIT_CHARS = 800
 REPLY_LIMIT_CHARS = 4000
 OUTPUT_LIMIT_CHARS = 1500
+COMMANDS_LIMIT = 40  # a third-party harness's commands listed per episode
 _OUTCOMES = [str(o) for o in Outcome]  # report order: success, model_failure, infra_failure, unknown
 _BACKTICKS = re.compile(r"`+")
 
@@ -68,7 +69,8 @@ class Turn:
         reply: the sampled reply, decoded (its end-of-turn token stripped when markers are given).
         action: how the harness read the reply: ``command`` (it ran), ``command+done`` (it ran, then
             the episode ended on ``DONE``), ``done``, ``no_command`` (answered "No command found"),
-            ``answer`` (a code task's one reply; ``command`` is the program verified).
+            ``answer`` (a code task's one reply; ``command`` is the program verified), ``reply`` (a
+            third-party harness's reply: its commands are not matched to replies).
         command: the command that ran for this reply, as stored in the row's ``commands``; None: none ran.
         observation: the ``loss_mask`` 0 text that followed (role markers stripped when markers are given
             and match); None: nothing followed in the trajectory (the episode ended on this turn).
@@ -148,17 +150,19 @@ def decode_turns(row: dict, decode: Decode, markers: ChatMarkers | None = None,
     """Split a trajectory row into its turns and match replies to the commands that ran.
 
     Each ``loss_mask`` 1 run is one reply; the ``loss_mask`` 0 run after it is its observation. For a
-    terminal task each reply is parsed as the harness parsed it (``envs.agent.parse_action``); a reply
-    holding a command takes the next of the row's ``commands`` (what actually ran). A code task
-    (``agent_end == "single_turn"``) has one reply, its ``commands`` the program verified.
+    terminal task of the bash-fence harness each reply is parsed as the harness parsed it
+    (``envs.agent.parse_action``); a reply holding a command takes the next of the row's ``commands``
+    (what actually ran). Another harness (a third-party one behind the gateway) parses replies its own
+    way and may run many commands per reply, or none: its turns are ``reply`` actions without a command
+    (the row's ``commands`` are shown apart). A code task (``agent_end == "single_turn"``) has one reply,
+    its ``commands`` the program verified.
 
     Raises:
-        ValueError: ``harness`` is not the bash-fence harness (whose parser this is); the trajectory starts
-            with a sampled token; or the replies holding a command do not number ``len(commands)`` (not a
-            bash-fence trajectory, or a tokenizer other than the run's).
+        ValueError: the trajectory starts with a sampled token; or, for the bash-fence harness, the replies
+            holding a command do not number ``len(commands)`` (not a bash-fence trajectory, or a tokenizer
+            other than the run's).
     """
-    if harness != BashFenceHarness.name:
-        raise ValueError(f"harness {harness!r}: only {BashFenceHarness.name!r} replies can be matched to commands")
+    own_parser = harness == BashFenceHarness.name
     ids, versions, commands = row["token_ids"], row["policy_versions"], list(row["commands"])
     _prompt_end(row)
     runs = _runs(row["loss_mask"])
@@ -175,6 +179,8 @@ def decode_turns(row: dict, decode: Decode, markers: ChatMarkers | None = None,
         observation = _observation(decode(list(ids[after[1]:after[2]])), markers) if after else None
         if code_task:
             action, command = "answer", (commands[0] if commands else None)
+        elif not own_parser:
+            action, command = "reply", None
         else:
             parsed = parse_action(reply)
             if parsed.command is None:
@@ -185,7 +191,7 @@ def decode_turns(row: dict, decode: Decode, markers: ChatMarkers | None = None,
                 used += 1
         span = versions[start:end]
         turns.append(Turn(len(turns) + 1, reply, action, command, observation, end - start, (min(span), max(span))))
-    if not code_task and used != len(commands):
+    if own_parser and not code_task and used != len(commands):
         raise ValueError(f"episode {row['episode_id']}: {used} replies hold a command but the row stores "
                          f"{len(commands)} commands: not a {harness} trajectory, or decoded with another tokenizer")
     return turns
@@ -329,16 +335,22 @@ def render_episode(row: dict, decode: Decode, advantage: float | None = None, ha
         elif t.command is not None:
             then = ", then DONE" if t.action == "command+done" else ""
             out += [f"**Command run**{then}", "", fenced(t.command, "bash"), ""]
-        else:
+        elif t.action != "reply":
             out += ["*DONE: the agent ended the episode.*" if t.action == "done"
                     else "*No command found: the harness answered with its format reminder.*", ""]
         if t.observation is not None:
-            label = "Output" if t.command is not None else "Harness reply"
+            label = ("Output" if t.command is not None else
+                     "Next request's new messages" if t.action == "reply" else "Harness reply")
             out += [f"**{label}** ({len(t.observation)} characters)", "",
                     fenced(clip(t.observation, OUTPUT_LIMIT_CHARS)), ""]
         elif t.command is not None and t.action != "answer":
             out += [f"*Its output is not in the trajectory: the episode ended after it "
                     f"(agent end {inline(row['agent_end'] or '-')}).*", ""]
+    if turns and turns[0].action == "reply":
+        shown = row["commands"][:COMMANDS_LIMIT]
+        more = f", the first {COMMANDS_LIMIT} shown" if len(row["commands"]) > COMMANDS_LIMIT else ""
+        out += [f"**Commands the harness ran in the sandbox** ({len(row['commands'])}{more})", "",
+                fenced(clip("\n".join(shown), OUTPUT_LIMIT_CHARS), "bash") if shown else "*none*", ""]
     out += [f"**Verdict**: {inline(row['outcome'])}, reason {inline(row['reason'])}, reward {row['reward']:.3f}", ""]
     return "\n".join(out)
 

@@ -6,7 +6,6 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from envs.harness import BashFenceHarness
 from infra.episodes import load_decoder, render_step_episodes
 from infra.layout import artifact_key
 from infra.model import resolve_model
@@ -32,7 +31,7 @@ def publish_step_episodes(run: Run, step: int, trajectories_uri: str) -> str:
     rows = read_step(run.fs, trajectories_uri).to_pylist()
     decode, markers = load_decoder(resolve_model(run.config.model.path))
     train = run.config.train
-    markdown = render_step_episodes(rows, decode, BashFenceHarness.name, markers=markers,
+    markdown = render_step_episodes(rows, decode, run.config.rollout.harness.kind, markers=markers,
                                     scale_by_std=train.scale_by_std, baseline=train.baseline)
     uri = run.layout.episodes(step)
     run.fs.pipe_file(uri, markdown.encode())

@@ -46,6 +46,10 @@ class SubprocessHarness:
         """The harness's interpreter (its venv is installed on first use)."""
         return harness_python(self.venv_name, self.requirements)
 
+    def launch(self, python: Path, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
+        """Start ``python args`` in ``workdir`` (its own process group, output to ``harness.log``)."""
+        return Process(python, args, workdir, env)
+
     def act(self, io, max_turns: int) -> None:
         """Run the harness process against this episode's endpoint until it exits or the runner ends the episode."""
         if not io.task.acts_in_sandbox:
@@ -63,9 +67,7 @@ class SubprocessHarness:
                 loopback = "127.0.0.1,localhost"
                 env = {**os.environ, "HOME": str(workdir), "NO_PROXY": loopback, "no_proxy": loopback,
                        **self.env(workdir)}
-                out = open(workdir / "harness.log", "w+")
-                proc = subprocess.Popen([str(python), *args], cwd=workdir, env=env, stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = self.launch(python, args, workdir, env)
                 deadline = time.monotonic() + self.wall_timeout_s
                 try:
                     while proc.poll() is None:
@@ -76,12 +78,8 @@ class SubprocessHarness:
                             break
                         time.sleep(0.1)
                 finally:
-                    if proc.poll() is None:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                out.seek(0)
-                self.last_output = out.read()[-4000:]
-                out.close()
+                    proc.kill()
+                self.last_output = proc.output()[-4000:]
                 if io.ended:
                     return
                 if proc.returncode == 0:
@@ -91,3 +89,34 @@ class SubprocessHarness:
                     io.fail("harness_error")
         finally:
             io.close_gateway(endpoint)
+
+
+class Process:
+    """A harness process in its own process group, its stdout and stderr merged into ``harness.log``."""
+
+    def __init__(self, python: Path, args: list[str], workdir: Path, env: dict[str, str]):
+        self._out = open(workdir / "harness.log", "w+")
+        self._proc = subprocess.Popen([str(python), *args], cwd=workdir, env=env, stdout=self._out,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def poll(self) -> int | None:
+        """The exit status; None while it runs."""
+        return self._proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it ended (negative: killed by that signal)."""
+        return self._proc.returncode
+
+    def kill(self) -> None:
+        """Kill its whole process group if it still runs (idempotent)."""
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+    def output(self) -> str:
+        """What it printed (call once, after :meth:`kill`)."""
+        self._out.seek(0)
+        text = self._out.read()
+        self._out.close()
+        return text

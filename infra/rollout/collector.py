@@ -214,8 +214,10 @@ class _EpisodeIO:
     def _segment_start(self) -> int:
         return self.e.segment_starts[-1]
 
-    def exec_command(self, command: str, timeout_s: float | None) -> dict | str:
-        """A gateway harness's command in the sandbox shell (the task's per-command deadline caps ``timeout_s``).
+    def exec_command(self, command: str, timeout_s: float | None, shell: bool = True) -> dict | str:
+        """A gateway harness's command in the sandbox: its shell, or ``bash -c`` when not ``shell``.
+
+        The task's per-command deadline caps ``timeout_s``.
 
         The task's tool-time budget ends the episode (``agent_timeout``) once spent.
         """
@@ -225,7 +227,7 @@ class _EpisodeIO:
             self.acquire()
             if (why := self.ended):
                 return why
-        result = self.execute(command, timeout_s)
+        result = self.execute(command, timeout_s, shell)
         if result is None:
             return self.ended or "sandbox_failed"
         if self.e.tool_s >= self.task.agent_timeout_s:
@@ -267,7 +269,7 @@ class _EpisodeIO:
         e.engine_replica = sample.replica or self.runner.engine.replica
         return sample
 
-    def execute(self, command: str, timeout_s: float | None = None):
+    def execute(self, command: str, timeout_s: float | None = None, shell: bool = True):
         e = self.e
         if e.done:
             return None
@@ -275,7 +277,8 @@ class _EpisodeIO:
         assert e.sandbox is not None, "a terminal episode acts in its sandbox"
         deadline = e.task.command_timeout_s if timeout_s is None else min(timeout_s, e.task.command_timeout_s)
         try:
-            result = e.sandbox.run_in_shell(command, timeout_s=deadline)
+            result = (e.sandbox.run_in_shell(command, timeout_s=deadline) if shell
+                      else e.sandbox.exec(command, timeout_s=deadline))
         except SandboxInfraError as err:
             Collector._sandbox_failed(e, err)
             return None

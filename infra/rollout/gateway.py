@@ -21,8 +21,9 @@ budget and the context room. Errors are OpenAI-style bodies (``{"error": {"messa
 
 Routes: ``POST /e/{key}/v1/chat/completions``, ``GET /e/{key}/v1/models`` (also at ``/v1/...`` with
 ``Authorization: Bearer {key}``) and ``POST /e/{key}/sandbox/exec`` (an out-of-process harness runs
-commands in the episode's sandbox: ``{"command", "timeout_s"}`` -> ``{"output", "exit_code",
-"timed_out", "duration_s"}``).
+commands in the episode's sandbox: ``{"command", "timeout_s"?, "shell"?}`` -> ``{"output", "exit_code",
+"timed_out", "duration_s"}``; ``"shell": false`` runs it under its own ``bash -c``, as Harbor's
+environments do, instead of in the sandbox's persistent shell).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route handlers' annotations at runtime.
@@ -73,8 +74,8 @@ class GatewayEpisode(Protocol):
                    stop: tuple[str, ...]) -> Sample | str:
         """Sample on ``prompt_ids`` and record it; a str is why the episode refused (it has ended)."""
 
-    def exec_command(self, command: str, timeout_s: float | None) -> dict | str:
-        """Run ``command`` in the episode's sandbox shell; a str is why not (the episode has ended)."""
+    def exec_command(self, command: str, timeout_s: float | None, shell: bool = True) -> dict | str:
+        """Run ``command`` in the episode's sandbox (its shell, or ``bash -c``); a str: why not (it ended)."""
 
     def fail(self, reason: str) -> None:
         """End the episode as an infra failure (the gateway itself failed on one of its calls)."""
@@ -377,17 +378,21 @@ class Gateway:
         """
         session = self._session(key)
         if not isinstance(body, dict) or not isinstance(body.get("command"), str):
-            raise GatewayError(400, "the body must be {\"command\": str, \"timeout_s\": number?}", param="command")
+            raise GatewayError(400, "the body must be {\"command\": str, \"timeout_s\": number?, \"shell\": bool?}",
+                               param="command")
         timeout = body.get("timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not math.isfinite(timeout) or timeout <= 0):
             raise GatewayError(400, f"timeout_s must be a positive number of seconds, got {timeout!r}",
                                param="timeout_s")
+        shell = body.get("shell", True)
+        if not isinstance(shell, bool):
+            raise GatewayError(400, f"shell must be a boolean, got {shell!r}", param="shell")
         with session.lock:
             if session.closed:
                 raise GatewayError(401, f"unknown episode key '{key[:40]}': the episode ended",
                                    "authentication_error", code="invalid_api_key")
-            result = session.episode.exec_command(body["command"], float(timeout) if timeout else None)
+            result = session.episode.exec_command(body["command"], float(timeout) if timeout else None, shell)
         if isinstance(result, str):
             raise GatewayError(409, f"the episode has ended ({result}): no more commands run in its sandbox",
                                code="episode_ended")

@@ -142,3 +142,114 @@ def test_mini_swe_agent_rows_equal_what_the_engine_received_and_sampled(mini_swe
                                     len(r["segment_starts"]), len(r["token_ids"])) for r in rows],
           "engine calls:", len(calls),
           "rows_trained:", s["rows_trained"], "segments_trained:", s.get("segments_trained"))
+
+
+def terminus(keystrokes: list[str], complete: bool = False) -> str:
+    """A reply in Terminus-2's JSON format (harbor's terminus-json-plain.txt)."""
+    return json.dumps({"analysis": "Looking.", "plan": "Next step.", "task_complete": complete,
+                       "commands": [{"keystrokes": k, "duration": 0.1} for k in keystrokes]})
+
+
+def docker_episode(backend, tiny_tokenizer, tmp_path, replies, harness, max_turns=5):
+    """One episode of the real harness against a scripted engine, in a real sandbox (the base image)."""
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import Collector, CollectSettings
+    from infra.rollout.scheduler import EpisodeJob
+    from infra.store import validate_rows
+    from tests.fakes import ScriptedEngine
+    from tests.unit.test_episode import CODE_IMAGE, terminal_task
+
+    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=8192)
+    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=400,
+                               max_turns=max_turns, seed=0, max_infra_retries=0)
+    c = Collector(engine, backend, settings, code_image=CODE_IMAGE, harness=harness)
+    task = terminal_task(tmp_path, verifier="harbor")
+    c.bind("run", 0, {task.task_id: (BASE_IMAGE, backend.image_digest(BASE_IMAGE))})
+    try:
+        row = c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0))
+    finally:
+        c.close()
+    validate_rows([row])
+    return row, engine
+
+
+@pytest.fixture(scope="module")
+def terminus_2():
+    from envs.harnesses.terminus_2 import Terminus2Harness
+
+    return Terminus2Harness(wall_timeout_s=300, enable_summarize=False)
+
+
+def test_terminus_2_types_into_its_tmux_session_until_it_confirms_completion(backend, tiny_tokenizer, tmp_path,
+                                                                             terminus_2):
+    replies = [terminus(["mkdir -p /app && echo hello > /app/hello.txt\n"]),
+               # upstream asks "Are you sure?" once: the second task_complete ends it
+               terminus(["cat /app/hello.txt\n"], complete=True), terminus([], complete=True)]
+    row, engine = docker_episode(backend, tiny_tokenizer, tmp_path, replies, terminus_2)
+    assert (row["outcome"], row["reward"], row["agent_end"]) == ("success", 1.0, "done"), (row["commands"],
+                                                                                     terminus_2.last_output)
+    assert len(engine.received) == 3 and row["num_turns"] == 3
+    # upstream's loop: its prompt, its tmux session (keystrokes sent with send-keys), its confirmation question
+    prompts = [tiny_tokenizer.decode(r.request.prompt_ids) for r in engine.received]
+    assert "Format your response as JSON" in prompts[0] and "Are you sure you want to mark" in prompts[2]
+    assert any("send-keys" in c and "hello.txt" in c for c in row["commands"])
+    # every sampled run is one engine call, whose prompt is the segment before it
+    ids, mask = np.array(row["token_ids"]), np.array(row["loss_mask"])
+    bounds = [*row["segment_starts"], len(ids)]
+    calls = {(tuple(r.request.prompt_ids), tuple(r.sample.token_ids)) for r in engine.received}
+    runs = 0
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        seg, m = ids[lo:hi], mask[lo:hi]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
+        for start, end in zip(edges[::2], edges[1::2], strict=True):
+            assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in calls
+            runs += 1
+    assert runs == 3
+
+
+def test_terminus_2_trains_through_post_train_token_exact(s3, tmp_path_factory, prefect_harness):
+    """One post_train step with Terminus-2 on a shipped Harbor task: rows equal what vLLM received and sampled."""
+    import os
+
+    from flows.post_train import post_train
+    from infra.config import Terminus2HarnessConfig
+    from infra.model import build_tiny_llama
+
+    tiny_model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-8k", max_positions=8192)
+    record = tmp_path_factory.mktemp("engine") / "record.jsonl"
+    os.environ["AGENTRL_ENGINE_RECORD"] = str(record)
+    config = RunConfig(
+        run_id=f"t2-{uuid.uuid4().hex[:8]}", steps=1,
+        model=ModelConfig(path=str(tiny_model), max_model_len=8192, kv_cache_gib=1.0),
+        tasks=TaskSetConfig(task_sets=["envs/harbor/write-greeting"], humaneval_train=0, humaneval_eval=0),
+        rollout=RolloutConfig(tasks_per_step=1, group_size=2, max_tokens_per_turn=24, max_turns=2,
+                              harness=Terminus2HarnessConfig(wall_timeout_s=300, enable_summarize=False)),
+        eval=EvalConfig(enabled=False),
+    )
+    try:
+        [summary] = post_train(config)
+    finally:
+        os.environ.pop("AGENTRL_ENGINE_RECORD", None)
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    rows = read_step(s3, f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet").to_pylist()
+    ran = [r for r in rows if r["outcome"] != "infra_failure"]
+    assert ran, [(r["outcome"], r["reason"]) for r in rows]
+    engine_side = {(tuple(c["prompt_ids"]), tuple(c["token_ids"])) for c in calls}
+    for r in ran:
+        ids, mask = np.array(r["token_ids"]), np.array(r["loss_mask"])
+        bounds, runs = [*r["segment_starts"], len(ids)], 0
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            seg, m = ids[lo:hi], mask[lo:hi]
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
+            for start, end in zip(edges[::2], edges[1::2], strict=True):
+                assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in engine_side
+                runs += 1
+        assert runs == r["num_turns"] >= 1 and r["agent_end"] in ("max_turns", "done")
+    from transformers import AutoTokenizer
+
+    first = AutoTokenizer.from_pretrained(config.model.path).decode(calls[0]["prompt_ids"])
+    assert "Format your response as JSON" in first  # upstream's own prompt (terminus-json-plain.txt)
+    assert summary["rows_trained"] >= 1
+    print("terminus-2 rows:", [(r["task_id"], r["outcome"], r["agent_end"], r["num_turns"], len(r["segment_starts"]),
+                                len(r["token_ids"])) for r in rows], "engine calls:", len(calls),
+          "rows_trained:", summary["rows_trained"], "segments_trained:", summary.get("segments_trained"))

@@ -213,6 +213,21 @@ def test_sandbox_exec_runs_in_the_episodes_shell_until_it_ends(tiny_tokenizer, t
     assert row["commands"] == ["echo hello > /app/hello.txt"] and (row["outcome"], row["reward"]) == ("success", 1.0)
 
 
+def test_sandbox_exec_without_the_shell_runs_its_own_bash_c(tiny_tokenizer, tmp_path):
+    """``"shell": false`` (Terminus-2's environment): each command on its own, as Harbor's environments run it."""
+    def script(client, io, endpoint, errors):
+        r = httpx.post(endpoint.exec_url, json={"command": "echo hello > /app/hello.txt", "shell": False}, timeout=30)
+        errors.append(r.json()["exit_code"])
+        r = httpx.post(endpoint.exec_url, json={"command": "ls", "shell": "no"}, timeout=30)
+        errors.append((r.status_code, r.json()["error"]["param"]))
+        box = io.e.sandbox
+        errors.append((box.shell, [c for c, _, workdir in box.execs if workdir is None]))
+
+    row, engine, harness = run(tiny_tokenizer, tmp_path, [], script)
+    assert harness.errors == [0, (400, "shell"), ([], ["echo hello > /app/hello.txt"])]
+    assert row["commands"] == ["echo hello > /app/hello.txt"] and (row["outcome"], row["reward"]) == ("success", 1.0)
+
+
 def test_split_segments_keeps_single_segment_rows_and_repeats_the_advantage():
     from tests.helpers import make_row
 

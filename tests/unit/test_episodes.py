@@ -89,8 +89,17 @@ def test_decode_turns_refuses_commands_that_do_not_match_the_replies():
     row = make_row([("P", None), ("```bash\nls\n```", 0)], commands=["ls", "pwd"])
     with pytest.raises(ValueError, match=r"episode e0: 1 replies hold a command but the row stores 2 commands"):
         decode_turns(row, decode)
-    with pytest.raises(ValueError, match="harness 'other'"):
-        decode_turns(row, decode, harness="other")
+
+
+def test_a_third_party_harness_turns_are_replies_and_its_commands_are_listed_apart():
+    row = make_row([("P", None), ('{"commands": [{"keystrokes": "ls\\n"}]}', 0), ("New Terminal Output: a", None),
+                    ('{"task_complete": true}', 0)], commands=["tmux send-keys -t t -- 'ls'", "tmux capture-pane -p"])
+    turns = decode_turns(row, decode, harness="terminus-2")
+    assert [(t.action, t.command) for t in turns] == [("reply", None), ("reply", None)]
+    assert turns[0].observation == "New Terminal Output: a"
+    md = render_episode(row, decode, harness="terminus-2")
+    assert "**Commands the harness ran in the sandbox** (2)" in md and "tmux capture-pane -p" in md
+    assert "No command found" not in md and "**Next request's new messages**" in md
 
 
 def test_chat_markers_strip_the_template_of_a_real_tokenizer(tiny_tokenizer):
