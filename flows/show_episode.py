@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # names the file already
         return _error(str(e))
 
-    from envs.harness import BashFenceHarness
     from infra.episodes import load_decoder, render_episode, render_step_episodes, step_advantages
     from infra.layout import RunLayout
     from infra.model import resolve_model
@@ -77,15 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         decode, markers = load_decoder(resolve_model(config.model.path))
     except OSError as e:  # FileNotFoundError: not an HF folder; OSError: no tokenizer in it
         return _error(f"model.path: {e}")
-    t = config.train
+    t, harness = config.train, config.rollout.harness.kind
     try:
         if args.chosen:
-            print(render_step_episodes(rows, decode, BashFenceHarness.name, markers=markers,
+            print(render_step_episodes(rows, decode, harness, markers=markers,
                                        scale_by_std=t.scale_by_std, baseline=t.baseline))
         else:
             advantages = step_advantages(rows, t.scale_by_std, t.baseline)
-            print("\n---\n\n".join(render_episode(r, decode, advantages.get(r["episode_id"]), BashFenceHarness.name,
-                                                 markers) for r in selected))
+            print("\n---\n\n".join(render_episode(r, decode, advantages.get(r["episode_id"]), harness, markers)
+                                     for r in selected))
     except ValueError as e:  # a row whose replies do not match its commands, named by episode
         return _error(f"{uri}: {e}")
     return 0

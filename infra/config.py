@@ -170,9 +170,9 @@ class Terminus2HarnessConfig(_Strict):
     """Terminus-2's reply format (upstream's ``parser_name``)."""
     enable_summarize: bool = True
     """Upstream's context summarization (extra model calls; each starts a new trained segment)."""
-    proactive_summarization_threshold: int = Field(8000, ge=0)
-    """Free context tokens below which Terminus-2 summarizes (upstream's 8000 assumes a long context; 0: only
-    on overflow)."""
+    proactive_summarization_threshold: int | None = Field(None, ge=0)
+    """Free context tokens below which Terminus-2 summarizes (None: upstream's 8000, at most a quarter of
+    ``model.max_model_len``: 8000 assumes a long context and would summarize every turn of a short one)."""
     max_output_tokens: int = Field(512, gt=0)
     """What ``model_info`` tells Terminus-2 a reply may hold (the run's ``max_tokens_per_turn`` still caps it)."""
     wall_timeout_s: float = Field(900.0, gt=0)

@@ -200,8 +200,8 @@ class InMemorySandbox:
     closed: bool = False
 
     def exec(self, command: str, timeout_s: float, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> ExecResult:
-        """Answer ``command`` from ``exec_fn`` (which may raise ``SandboxInfraError``)."""
+             env: dict[str, str] | None = None, output_limit_bytes: int = 16_384) -> ExecResult:
+        """Answer ``command`` from ``exec_fn`` (which may raise ``SandboxInfraError``); no output limit."""
         if self.closed:
             raise SandboxInfraError("container_vanished", f"{self.sandbox_id} was removed")
         self.execs.append((command, timeout_s, workdir))

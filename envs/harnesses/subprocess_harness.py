@@ -46,6 +46,10 @@ class SubprocessHarness:
         """The harness's interpreter (its venv is installed on first use)."""
         return harness_python(self.venv_name, self.requirements)
 
+    def deadline_s(self, io) -> float:
+        """Wall-clock seconds the harness process may run for this episode (then ``agent_timeout``)."""
+        return self.wall_timeout_s
+
     def launch(self, python: Path, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
         """Start ``python args`` in ``workdir`` (its own process group, output to ``harness.log``)."""
         return Process(python, args, workdir, env)
@@ -68,7 +72,7 @@ class SubprocessHarness:
                 env = {**os.environ, "HOME": str(workdir), "NO_PROXY": loopback, "no_proxy": loopback,
                        **self.env(workdir)}
                 proc = self.launch(python, args, workdir, env)
-                deadline = time.monotonic() + self.wall_timeout_s
+                deadline = time.monotonic() + self.deadline_s(io)
                 try:
                     while proc.poll() is None:
                         if io.ended:

@@ -10,7 +10,9 @@ answer once and are verified in a fresh sandbox.
 
 The agent's commands run in its sandbox's persistent shell (``Sandbox.run_in_shell``: one tmux
 session per sandbox, so per episode; ``cd``, variables and jobs persist across turns, as in
-Terminal-Bench); verification and the runner's own checks use ``exec``. The agent's budget is
+Terminal-Bench), or, for a gateway harness that asks (``"shell": false``: Terminus-2 driving its
+own tmux session), each under its own ``bash -c``; verification and the runner's own checks use
+``exec``. The agent's budget is
 counted in turns and in the time its own commands took (``tool_s``), not in wall clock shared with
 other episodes' generation, so a slow batch never costs the model.
 
@@ -18,7 +20,8 @@ Sandboxes: with a :class:`~infra.sandbox.pool.WarmPool`, the batch's demand per 
 up front, so sandboxes come warm from the pool.
 
 Replay: every row stores the commands run (for code tasks, the one program verified) and the
-image digest, so :func:`replay_episode` can re-run them and reproduce the verifier's result.
+image digest, so :func:`replay_episode` can re-run them and reproduce the verifier's result. Not for
+Terminus-2's rows: its commands are tmux keystrokes whose effect depends on the waits between them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from infra.sandbox.pool import WarmPool
 from infra.store import Trajectory
 
 log = logging.getLogger(__name__)
+
+RAW_EXEC_OUTPUT_LIMIT_BYTES = 8 * 2**20
+"""Output kept of a gateway harness's ``"shell": false`` command. Harbor's environments keep all of it, and
+Terminus-2 reads its whole tmux scrollback each turn (``capture-pane -S -``): 16 KiB, the shell's cap, would
+freeze what it sees once the pane holds more. 8 MiB, under the sandbox's 32 MiB output tmpfs."""
 
 
 @dataclass
@@ -278,7 +286,7 @@ class _EpisodeIO:
         deadline = e.task.command_timeout_s if timeout_s is None else min(timeout_s, e.task.command_timeout_s)
         try:
             result = (e.sandbox.run_in_shell(command, timeout_s=deadline) if shell
-                      else e.sandbox.exec(command, timeout_s=deadline))
+                      else e.sandbox.exec(command, timeout_s=deadline, output_limit_bytes=RAW_EXEC_OUTPUT_LIMIT_BYTES))
         except SandboxInfraError as err:
             Collector._sandbox_failed(e, err)
             return None

@@ -55,10 +55,11 @@ class Sandbox(Protocol):
     """The image's ``WORKDIR`` (``/`` when it sets none), where commands run unless told otherwise."""
 
     def exec(self, command: str, timeout_s: float, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> ExecResult:
+             env: dict[str, str] | None = None, output_limit_bytes: int = 16_384) -> ExecResult:
         """Run a shell command with a deadline enforced inside the sandbox.
 
-        It runs in ``workdir`` (default: the image's ``WORKDIR``), with ``env`` added to the environment.
+        It runs in ``workdir`` (default: the image's ``WORKDIR``), with ``env`` added to the environment;
+        its output (stdout and stderr merged) is cut to its first ``output_limit_bytes``.
         """
         ...
 

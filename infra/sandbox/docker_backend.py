@@ -612,8 +612,8 @@ class DockerSandbox:
         return "environment_broken"
 
     def exec(self, command: str, timeout_s: float, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> ExecResult:
-        """Run ``command`` under ``bash -c`` with ``timeout -s KILL``; output truncated to 16 KiB.
+             env: dict[str, str] | None = None, output_limit_bytes: int = OUTPUT_LIMIT_BYTES) -> ExecResult:
+        """Run ``command`` under ``bash -c`` with ``timeout -s KILL``; output truncated to ``output_limit_bytes``.
 
         It runs in ``workdir`` (default: the image's ``WORKDIR``, ``/`` when it sets none, as
         ``docker exec`` does), with ``env`` added to the container's environment.
@@ -631,8 +631,8 @@ class DockerSandbox:
         exit_code = self._run_detached(argv, workdir or self.workdir, env)
         duration_s = time.monotonic() - start
         raw = self._api("read output", self._container.exec_run,
-                        ["head", "-c", str(OUTPUT_LIMIT_BYTES), f"{_EXEC_DIR}/{name}"]).output or b""
-        output = strip_ansi(raw[:OUTPUT_LIMIT_BYTES].decode("utf-8", "replace"))  # as a terminal shows it
+                        ["head", "-c", str(output_limit_bytes), f"{_EXEC_DIR}/{name}"]).output or b""
+        output = strip_ansi(raw[:output_limit_bytes].decode("utf-8", "replace"))  # as a terminal shows it
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
         # a plain exit 137), or from outside (docker kill / rm, dockerd gone): then the container

@@ -1,11 +1,12 @@
 """Runs Harbor's Terminus-2 (PyPI ``harbor``, unmodified) for one episode; Python 3.12+, inside the harness container.
 
 Reads one JSON file (``argv[1]``): ``base_url``/``api_key`` (the episode's gateway endpoint), ``exec_url``,
-``instruction``, ``logs_dir``, ``max_turns``, ``parser``, ``max_input_tokens``, ``max_output_tokens``,
+``instruction``, ``logs_dir``, ``parser``, ``max_input_tokens``, ``max_output_tokens``,
 ``enable_summarize``, ``proactive_summarization_threshold``. Calls what Harbor's trial calls
 (``Terminus2(...)``, ``setup``, ``run``) with an environment whose ``exec`` runs each command in the
 episode's sandbox through the gateway (``POST exec_url``, ``"shell": false``: one ``bash -c`` per
-command, as Harbor's Docker environment runs them). Exit 0 when ``run`` returns.
+command, as Harbor's Docker environment runs them). Upstream's own turn limit (none): the runner counts
+turns and refuses the call past them. Exit 0 when ``run`` returns, or when the runner ended the episode.
 """
 
 import asyncio
@@ -27,7 +28,10 @@ class EpisodeEnded(RuntimeError):
 
 
 class GatewayEnvironment:
-    """The part of Harbor's ``BaseEnvironment`` Terminus-2 uses (``exec``, ``is_dir``), on our sandbox."""
+    """What Terminus-2 uses of Harbor's ``BaseEnvironment``, on the episode's sandbox.
+
+    ``exec``, ``is_dir``/``is_file``, ``default_user``, ``session_id`` and ``trial_paths``.
+    """
 
     default_user = None
 
@@ -69,7 +73,7 @@ async def main(cfg: dict) -> None:
     logs = Path(cfg["logs_dir"])
     env = GatewayEnvironment(cfg["exec_url"], logs)
     agent = Terminus2(
-        logs_dir=logs, model_name="openai/policy", api_base=cfg["base_url"], max_turns=cfg["max_turns"],
+        logs_dir=logs, model_name="openai/policy", api_base=cfg["base_url"],
         parser_name=cfg["parser"], record_terminal_session=False, enable_summarize=cfg["enable_summarize"],
         proactive_summarization_threshold=cfg["proactive_summarization_threshold"],
         model_info={"max_input_tokens": cfg["max_input_tokens"], "max_output_tokens": cfg["max_output_tokens"],
