@@ -182,7 +182,8 @@ def terminus_2():
 
 def test_terminus_2_types_into_its_tmux_session_until_it_confirms_completion(backend, tiny_tokenizer, tmp_path,
                                                                              terminus_2):
-    replies = [terminus(["mkdir -p /app && echo hello > /app/hello.txt\n"]),
+    # seq: more scrollback than the shell's 16 KiB output cap; Terminus-2 reads all of it (capture-pane -S -)
+    replies = [terminus(["mkdir -p /app && seq 1 6000 && echo hello > /app/hello.txt\n"]),
                # upstream asks "Are you sure?" once: the second task_complete ends it
                terminus(["cat /app/hello.txt\n"], complete=True), terminus([], complete=True)]
     row, engine = docker_episode(backend, tiny_tokenizer, tmp_path, replies, terminus_2)
@@ -192,6 +193,7 @@ def test_terminus_2_types_into_its_tmux_session_until_it_confirms_completion(bac
     # upstream's loop: its prompt, its tmux session (keystrokes sent with send-keys), its confirmation question
     prompts = [tiny_tokenizer.decode(r.request.prompt_ids) for r in engine.received]
     assert "Format your response as JSON" in prompts[0] and "Are you sure you want to mark" in prompts[2]
+    assert "cat /app/hello.txt\nhello" in prompts[2].rsplit("<|im_start|>user", 1)[1]  # what turn 2's command printed
     assert any("send-keys" in c and "hello.txt" in c for c in row["commands"])
     # every sampled run is one engine call, whose prompt is the segment before it
     ids, mask = np.array(row["token_ids"]), np.array(row["loss_mask"])
