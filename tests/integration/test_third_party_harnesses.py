@@ -82,27 +82,40 @@ def test_the_runner_stops_a_harness_past_its_turns(tiny_tokenizer, tmp_path):
     assert row["outcome"] == "model_failure"  # verified: the hidden test fails
 
 
-@pytest.fixture(scope="module")
-def mini_swe_agent_run(s3, tmp_path_factory, prefect_harness):
-    """One post_train step with mini-swe-agent acting on a shipped Harbor task and the shipped Terminal-Bench tasks.
+def sampled_runs(row: dict, calls: set[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """Assert each run of ``row``'s sampled ids is one engine call of ``calls`` ((prompt ids, output ids)): its
+    prompt is the segment before it, its output the run. Returns how many runs the row holds."""
+    ids, mask = np.array(row["token_ids"]), np.array(row["loss_mask"])
+    bounds, runs = [*row["segment_starts"], len(ids)], 0
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        seg, m = ids[lo:hi], mask[lo:hi]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
+        for start, end in zip(edges[::2], edges[1::2], strict=True):
+            assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in calls
+            runs += 1
+    return runs
 
-    The tiny Llama's tokenizer (vocab 512) spends ~2,100 tokens on mini-swe-agent's own prompt: its context is 4k.
+
+def recorded_post_train(s3, tmp_path_factory, run_id: str, max_positions: int, rollout: RolloutConfig):
+    """One post_train step on a tiny Llama of ``max_positions`` context, vLLM recording every call.
+
+    Returns ``(config, summaries, calls, rows)``: ``calls`` from the engine's own record
+    (``AGENTRL_ENGINE_RECORD``), ``rows`` the stored step.
     """
     import os
 
     from flows.post_train import post_train
     from infra.model import build_tiny_llama
 
-    tiny_model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-4k", max_positions=4096)
+    tiny_model = build_tiny_llama(tmp_path_factory.mktemp("models") / f"tiny-llama-{max_positions}",
+                                  max_positions=max_positions)
     record = tmp_path_factory.mktemp("engine") / "record.jsonl"
     os.environ["AGENTRL_ENGINE_RECORD"] = str(record)
     config = RunConfig(
-        run_id=f"msa-{uuid.uuid4().hex[:8]}", steps=1,
-        model=ModelConfig(path=str(tiny_model), max_model_len=4096, kv_cache_gib=1.0),
+        run_id=run_id, steps=1,
+        model=ModelConfig(path=str(tiny_model), max_model_len=max_positions, kv_cache_gib=1.0),
         tasks=TaskSetConfig(task_sets=["envs/harbor/write-greeting"], humaneval_train=0, humaneval_eval=0),
-        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=24, max_turns=2,
-                              harness=MiniSweAgentHarnessConfig(wall_timeout_s=300)),
-        eval=EvalConfig(enabled=False),
+        rollout=rollout, eval=EvalConfig(enabled=False),
     )
     try:
         summaries = post_train(config)
@@ -113,23 +126,24 @@ def mini_swe_agent_run(s3, tmp_path_factory, prefect_harness):
     return config, summaries, calls, rows
 
 
+@pytest.fixture(scope="module")
+def mini_swe_agent_run(s3, tmp_path_factory, prefect_harness):
+    """One post_train step with mini-swe-agent acting on a shipped Harbor task and the shipped Terminal-Bench tasks.
+
+    The tiny Llama's tokenizer (vocab 512) spends ~2,100 tokens on mini-swe-agent's own prompt: its context is 4k.
+    """
+    return recorded_post_train(s3, tmp_path_factory, f"msa-{uuid.uuid4().hex[:8]}", 4096, RolloutConfig(
+        tasks_per_step=2, group_size=2, max_tokens_per_turn=24, max_turns=2,
+        harness=MiniSweAgentHarnessConfig(wall_timeout_s=300)))
+
+
 def test_mini_swe_agent_rows_equal_what_the_engine_received_and_sampled(mini_swe_agent_run):
     config, summaries, calls, rows = mini_swe_agent_run
     ran = [r for r in rows if r["outcome"] != "infra_failure"]
     assert ran, [(r["outcome"], r["reason"]) for r in rows]
     engine_side = {(tuple(c["prompt_ids"]), tuple(c["token_ids"])) for c in calls}
     for r in ran:
-        ids, mask = np.array(r["token_ids"]), np.array(r["loss_mask"])
-        bounds = [*r["segment_starts"], len(ids)]
-        runs = 0
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            seg, m = ids[lo:hi], mask[lo:hi]
-            # each run of sampled ids is one engine call: its prompt is the segment before it, its output the run
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
-            for start, end in zip(edges[::2], edges[1::2], strict=True):
-                assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in engine_side
-                runs += 1
-        assert runs == r["num_turns"] >= 1
+        assert sampled_runs(r, engine_side) == r["num_turns"] >= 1
         assert {v for v, k in zip(r["policy_versions"], r["loss_mask"], strict=True) if k} == {0}
     # upstream's loop ran: its prompt (mini_textbased.yaml's system template) is what the engine received first
     from transformers import AutoTokenizer
@@ -196,57 +210,23 @@ def test_terminus_2_types_into_its_tmux_session_until_it_confirms_completion(bac
     assert "cat /app/hello.txt\nhello" in prompts[2].rsplit("<|im_start|>user", 1)[1]  # what turn 2's command printed
     assert any("send-keys" in c and "hello.txt" in c for c in row["commands"])
     # every sampled run is one engine call, whose prompt is the segment before it
-    ids, mask = np.array(row["token_ids"]), np.array(row["loss_mask"])
-    bounds = [*row["segment_starts"], len(ids)]
     calls = {(tuple(r.request.prompt_ids), tuple(r.sample.token_ids)) for r in engine.received}
-    runs = 0
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        seg, m = ids[lo:hi], mask[lo:hi]
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
-        for start, end in zip(edges[::2], edges[1::2], strict=True):
-            assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in calls
-            runs += 1
-    assert runs == 3
+    assert sampled_runs(row, calls) == 3
 
 
 def test_terminus_2_trains_through_post_train_token_exact(s3, tmp_path_factory, prefect_harness):
     """One post_train step with Terminus-2 on a shipped Harbor task: rows equal what vLLM received and sampled."""
-    import os
-
-    from flows.post_train import post_train
     from infra.config import Terminus2HarnessConfig
-    from infra.model import build_tiny_llama
 
-    tiny_model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-8k", max_positions=8192)
-    record = tmp_path_factory.mktemp("engine") / "record.jsonl"
-    os.environ["AGENTRL_ENGINE_RECORD"] = str(record)
-    config = RunConfig(
-        run_id=f"t2-{uuid.uuid4().hex[:8]}", steps=1,
-        model=ModelConfig(path=str(tiny_model), max_model_len=8192, kv_cache_gib=1.0),
-        tasks=TaskSetConfig(task_sets=["envs/harbor/write-greeting"], humaneval_train=0, humaneval_eval=0),
-        rollout=RolloutConfig(tasks_per_step=1, group_size=2, max_tokens_per_turn=24, max_turns=2,
-                              harness=Terminus2HarnessConfig(wall_timeout_s=300, enable_summarize=False)),
-        eval=EvalConfig(enabled=False),
-    )
-    try:
-        [summary] = post_train(config)
-    finally:
-        os.environ.pop("AGENTRL_ENGINE_RECORD", None)
-    calls = [json.loads(line) for line in record.read_text().splitlines()]
-    rows = read_step(s3, f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet").to_pylist()
+    rollout = RolloutConfig(tasks_per_step=1, group_size=2, max_tokens_per_turn=24, max_turns=2,
+                            harness=Terminus2HarnessConfig(wall_timeout_s=300, enable_summarize=False))
+    config, [summary], calls, rows = recorded_post_train(s3, tmp_path_factory, f"t2-{uuid.uuid4().hex[:8]}", 8192,
+                                                         rollout)
     ran = [r for r in rows if r["outcome"] != "infra_failure"]
     assert ran, [(r["outcome"], r["reason"]) for r in rows]
     engine_side = {(tuple(c["prompt_ids"]), tuple(c["token_ids"])) for c in calls}
     for r in ran:
-        ids, mask = np.array(r["token_ids"]), np.array(r["loss_mask"])
-        bounds, runs = [*r["segment_starts"], len(ids)], 0
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            seg, m = ids[lo:hi], mask[lo:hi]
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
-            for start, end in zip(edges[::2], edges[1::2], strict=True):
-                assert (tuple(seg[:start].tolist()), tuple(seg[start:end].tolist())) in engine_side
-                runs += 1
-        assert runs == r["num_turns"] >= 1 and r["agent_end"] in ("max_turns", "done")
+        assert sampled_runs(r, engine_side) == r["num_turns"] >= 1 and r["agent_end"] in ("max_turns", "done")
     from transformers import AutoTokenizer
 
     first = AutoTokenizer.from_pretrained(config.model.path).decode(calls[0]["prompt_ids"])
