@@ -17,27 +17,46 @@ from pathlib import Path
 from infra.layout import repo_root
 
 
+def _root(name: str) -> Path:
+    return Path(os.environ.get("AGENTRL_STATE", repo_root() / ".state")) / "harnesses" / name
+
+
+def _install_once(name: str, requirements: list[str], installed: str, install, where: str) -> Path:
+    """``{root}/{installed}``, made by ``install(root)`` (a pip run) unless ``installed.json`` records ``requirements``.
+
+    ``root`` is :func:`_root`; one file lock per name, so concurrent episodes wait for one install.
+
+    Raises:
+        RuntimeError: ``install`` failed (its output's tail and ``where`` are in the message).
+    """
+    root = _root(name)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    marker, result = root / "installed.json", root / installed
+    with open(root.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()) == requirements and result.exists():
+            return result
+        done = install(root)
+        if done.returncode:
+            raise RuntimeError(f"installing harness {name} ({' '.join(requirements)}){where} failed: "
+                               f"{(done.stderr or done.stdout)[-1500:]}")
+        marker.write_text(json.dumps(requirements))
+    return result
+
+
 def harness_python(name: str, requirements: list[str]) -> Path:
     """The interpreter of harness ``name``'s venv with ``requirements`` installed (created on first use).
 
     Raises:
         RuntimeError: ``pip install`` failed (its output's tail is in the message).
     """
-    root = Path(os.environ.get("AGENTRL_STATE", repo_root() / ".state")) / "harnesses" / name
-    root.parent.mkdir(parents=True, exist_ok=True)
-    marker, python = root / "installed.json", root / "bin" / "python"
-    with open(root.parent / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and json.loads(marker.read_text()) == requirements and python.exists():
-            return python
+    def install(root: Path) -> subprocess.CompletedProcess:
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(root)], check=True, capture_output=True)
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               *requirements], capture_output=True, text=True, timeout=1800)
-        if done.returncode:
-            raise RuntimeError(f"installing harness {name} ({' '.join(requirements)}) into {root} failed: "
-                               f"{(done.stderr or done.stdout)[-1500:]}")
-        marker.write_text(json.dumps(requirements))
-    return python
+        return subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q",
+                               "--disable-pip-version-check", *requirements], capture_output=True, text=True,
+                              timeout=1800)
+
+    return _install_once(name, requirements, "bin/python", install, f" into {_root(name)}")
 
 
 def harness_target(name: str, requirements: list[str], python_version: str) -> Path:
@@ -50,23 +69,15 @@ def harness_target(name: str, requirements: list[str], python_version: str) -> P
     Raises:
         RuntimeError: ``pip install`` failed (its output's tail is in the message).
     """
-    root = Path(os.environ.get("AGENTRL_STATE", repo_root() / ".state")) / "harnesses" / name
-    root.parent.mkdir(parents=True, exist_ok=True)
-    marker, lib = root / "installed.json", root / "lib"
-    with open(root.parent / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and json.loads(marker.read_text()) == requirements and lib.is_dir():
-            return lib
+    def install(root: Path) -> subprocess.CompletedProcess:
+        lib = root / "lib"
         if lib.exists():
             shutil.rmtree(lib)
         platforms = [f"--platform={p}" for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64",
                                                   "manylinux_2_28_x86_64", "linux_x86_64")]
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+        return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                                "--target", str(lib), f"--python-version={python_version}", "--implementation=cp",
                                "--only-binary=:all:", *platforms, *requirements],
                               capture_output=True, text=True, timeout=1800)
-        if done.returncode:
-            raise RuntimeError(f"installing harness {name} ({' '.join(requirements)}) for Python {python_version} "
-                               f"into {lib} failed: {(done.stderr or done.stdout)[-1500:]}")
-        marker.write_text(json.dumps(requirements))
-    return lib
+
+    return _install_once(name, requirements, "lib", install, f" for Python {python_version} into {_root(name) / 'lib'}")
