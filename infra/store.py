@@ -93,6 +93,12 @@ class Trajectory:
     sandbox_id: str = _column(pa.string())
     sandbox_warm: bool = _column(pa.bool_())  # the sandbox came from the warm pool
     segment_starts: list[int] = _column(pa.list_(pa.int32()), added=lambda: [0])  # token offsets, see above
+    # Where the episode's wall time went, in s: from sandbox acquire to the row (``episode_s``), and of
+    # ``generation_s`` the engine's queue, prefill and decode (vLLM's per-request stats; 0.0 from the servers).
+    episode_s: float = _column(pa.float64(), added=float)
+    engine_queue_s: float = _column(pa.float64(), added=float)
+    prefill_s: float = _column(pa.float64(), added=float)
+    decode_s: float = _column(pa.float64(), added=float)
 
     def row(self) -> dict:
         """As a row dict (``write_step`` input; what ``read_step(...).to_pylist()`` gives back)."""

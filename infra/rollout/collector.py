@@ -84,6 +84,9 @@ class Episode:
     queue_s: float = 0.0
     sandbox_acquire_s: float = 0.0
     generation_s: float = 0.0
+    engine_queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
     tool_s: float = 0.0
     verify_s: float = 0.0
     segment_starts: list[int] = field(default_factory=lambda: [0])
@@ -270,6 +273,9 @@ class _EpisodeIO:
             e.infra_reason = "engine_unreachable"
             return None
         e.generation_s += time.monotonic() - start
+        e.engine_queue_s += sample.queue_s
+        e.prefill_s += sample.prefill_s
+        e.decode_s += sample.decode_s
         e.append(sample.token_ids, sample)
         e.num_turns += 1
         e.stop_reason = sample.stop_reason
@@ -512,6 +518,8 @@ class Collector:
             queue_s=e.queue_s, sandbox_acquire_s=e.sandbox_acquire_s, generation_s=e.generation_s, tool_s=e.tool_s,
             verify_s=e.verify_s, engine_replica=e.engine_replica or self.engine.replica, sandbox_id=e.sandbox_id,
             sandbox_warm=e.sandbox_warm, segment_starts=list(e.segment_starts),
+            episode_s=time.monotonic() - e.created_s, engine_queue_s=e.engine_queue_s,
+            prefill_s=e.prefill_s, decode_s=e.decode_s,
         ).row()
 
 

@@ -10,6 +10,7 @@ calls (``load_weights``), so a call's tokens share one version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -57,6 +58,13 @@ class Sample:
     stop_reason: str
     text: str
     replica: str = ""
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    """Seconds this request waited for the engine (our admission, then vLLM's scheduler), in prefill (to its
+    first token) and in decode (first to last token); vLLM's own per-request split
+    (``RequestStateStats``: scheduled - queued, first token - scheduled, last - first token). 0.0 where the
+    engine does not report them (the servers)."""
 
 
 class RolloutEngine(Protocol):
@@ -95,13 +103,16 @@ class RolloutEngine(Protocol):
 
 @dataclass
 class _Pending:
-    """One ``generate`` call waiting for the batching thread."""
+    """One ``generate`` call waiting for its requests (admitted to the engine, then stepped to the end)."""
 
     prompts: list
     params: list
     samples: list = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    enqueued_s: float = field(default_factory=time.monotonic)
+    admitted_s: float = 0.0
+    remaining: int = 0
 
 
 class VLLMEngine:
@@ -110,11 +121,16 @@ class VLLMEngine:
     replica = "vllm-inproc-0"
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048,
-                 kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0):
+                 kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0, threads: int = 0):
         """Load the model; policy version starts at ``policy_version``.
 
-        Calls to :meth:`generate` from several threads (episodes running concurrently) are batched:
-        a background thread runs every call waiting at that moment as one engine call.
+        ``threads`` > 0: the engine's steps run on that many CPU threads (OpenMP's thread count is per
+        calling thread: set in the batching thread only, torch's default left to the rest of the process).
+
+        Calls to :meth:`generate` from several threads (episodes running concurrently) share the engine by
+        continuous batching: one background thread admits every waiting request at the next engine step
+        (``LLM.enqueue``, then ``LLMEngine.step`` as vLLM's own ``LLM.generate`` loop does), so a request
+        arriving while others decode joins them instead of waiting for the whole batch to end.
         """
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM's own logging setup runs dictConfig, which flushes every existing handler under the
@@ -138,10 +154,16 @@ class VLLMEngine:
         self._queue_cv = threading.Condition()
         self._closed = False
         self._batcher: threading.Thread | None = None
-        self.calls = 0  # engine calls made
-        self.batched_requests = 0  # requests served by them
-        self.generated_tokens = 0  # tokens sampled by them
-        self.busy_s = 0.0  # seconds spent in them
+        self._in_flight = 0  # requests admitted and not finished (under _queue_cv)
+        self._holds = 0  # weight loads waiting for the engine to drain: nothing new is admitted (under _queue_cv)
+        self.threads = threads
+        self.continuous_batching = True
+        """False: waiting calls are admitted only when nothing is in flight (one batch at a time, run to its end:
+        how this engine batched before; kept to measure against, ``benchmarks.rollout_path --batch-at-once``)."""
+        self.calls = 0  # engine steps made
+        self.batched_requests = 0  # requests served
+        self.generated_tokens = 0  # tokens sampled
+        self.busy_s = 0.0  # seconds spent in engine steps
         self.record: list[tuple[list[int], list[int]]] | None = None
         """Engine-side record when a list (set by the caller): (prompt ids vLLM received, ids it sampled) per request,
         read from vLLM's own ``RequestOutput`` (``prompt_token_ids``, ``outputs[0].token_ids``)."""
@@ -183,50 +205,105 @@ class VLLMEngine:
         return pending.samples
 
     def _batch_loop(self) -> None:
-        """Runs every call waiting in the queue as one engine call (calls from concurrent episodes batch)."""
+        """Admit every waiting call at the next step, step the engine, hand each call its samples when all finish.
+
+        A weight load (:meth:`_drained`) stops admission until the requests in flight finish, so every
+        sample's tokens come from one policy version.
+        """
+        in_flight: dict[str, tuple[_Pending, int, int, str]] = {}  # request id -> (call, index, version, internal id)
+        if self.threads:
+            own_thread_count(self.threads)
         while True:
             with self._queue_cv:
-                while not self._queue and not self._closed:
+                while not self._closed and not in_flight and (not self._queue or self._holds):
                     self._queue_cv.wait()
                 if self._closed:
-                    for b in self._queue:
+                    for b in self._queue + [b for b, *_ in in_flight.values()]:
                         b.error = RuntimeError("the engine was closed")
                         b.done.set()
                     return
-                batch, self._queue = self._queue, []
+                hold = self._holds or (in_flight and not self.continuous_batching)
+                admit, self._queue = ([], self._queue) if hold else (self._queue, [])
+                self._in_flight += sum(len(b.prompts) for b in admit)
+            finished: list = []
             try:
-                prompts = [p for b in batch for p in b.prompts]
-                params = [p for b in batch for p in b.params]
                 with self._lock:
                     version = self.policy_version
-                    t0 = time.monotonic()
-                    outputs = self.llm.generate(prompts, params, use_tqdm=False)
-                    self.busy_s += time.monotonic() - t0
-                self.calls += 1
-                self.batched_requests += len(prompts)
-                self.generated_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-                samples = []
-                for out in outputs:
-                    c = out.outputs[0]
-                    if self.record is not None:
-                        self.record.append((list(out.prompt_token_ids), list(c.token_ids)))
-                    if self.record_path:
-                        with open(self.record_path, "a") as f:
-                            f.write(json.dumps({"prompt_ids": list(out.prompt_token_ids),
-                                                "token_ids": list(c.token_ids)}) + "\n")
-                    ids = list(c.token_ids)
-                    lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
-                    samples.append(Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop",
-                                          c.text))
-                at = 0
-                for b in batch:
-                    b.samples, at = samples[at:at + len(b.prompts)], at + len(b.prompts)
-            except BaseException as err:  # noqa: BLE001 - handed to every waiting caller
-                for b in batch:
+                    now = time.monotonic()
+                    for b in admit:
+                        b.admitted_s, b.remaining, b.samples = now, len(b.prompts), [None] * len(b.prompts)
+                        ids = self.llm.enqueue(b.prompts, b.params, use_tqdm=False) if b.prompts else []
+                        # enqueue returns vLLM's internal ids, "{counter}-{8 random chars}"; outputs carry the counter
+                        in_flight.update((rid.split("-", 1)[0], (b, i, version, rid)) for i, rid in enumerate(ids))
+                        if not b.prompts:
+                            b.done.set()
+                    if in_flight:
+                        t0 = time.monotonic()
+                        finished = [o for o in self.llm.llm_engine.step() if o.finished]
+                        self.busy_s += time.monotonic() - t0
+                        self.calls += 1
+            except BaseException as err:  # noqa: BLE001 - handed to every call in flight
+                calls = {id(b): b for b, *_ in in_flight.values()} | {id(b): b for b in admit}
+                if in_flight:
+                    try:
+                        self.llm.llm_engine.abort_request([rid for *_, rid in in_flight.values()], internal=True)
+                    except Exception:  # noqa: BLE001 - the engine is already failing
+                        pass
+                in_flight.clear()
+                for b in calls.values():
                     b.error = err
-            finally:
-                for b in batch:
                     b.done.set()
+                with self._queue_cv:
+                    self._in_flight = 0
+                    self._queue_cv.notify_all()
+                continue
+            for out in finished:
+                b, i, version, _ = in_flight.pop(out.request_id)
+                b.samples[i] = self._sample(out, version, b)
+                b.remaining -= 1
+                if not b.remaining:
+                    b.done.set()
+            if finished:
+                with self._queue_cv:
+                    self._in_flight -= len(finished)
+                    self._queue_cv.notify_all()
+
+    def _sample(self, out, version: int, call: _Pending) -> Sample:
+        """One finished ``RequestOutput`` as a :class:`Sample` (recorded when a record is kept)."""
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        self.batched_requests += 1
+        self.generated_tokens += len(ids)
+        if self.record is not None:
+            self.record.append((list(out.prompt_token_ids), ids))
+        if self.record_path:
+            with open(self.record_path, "a") as f:
+                f.write(json.dumps({"prompt_ids": list(out.prompt_token_ids), "token_ids": ids}) + "\n")
+        lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs, strict=True)]
+        m = out.metrics
+        queue_s = call.admitted_s - call.enqueued_s
+        prefill_s = decode_s = 0.0
+        if m is not None and m.scheduled_ts:
+            queue_s += max(0.0, m.scheduled_ts - m.queued_ts)
+            prefill_s = max(0.0, m.first_token_ts - m.scheduled_ts)
+            decode_s = max(0.0, m.last_token_ts - m.first_token_ts)
+        return Sample(ids, lps, version, "length" if c.finish_reason == "length" else "stop", c.text,
+                      queue_s=queue_s, prefill_s=prefill_s, decode_s=decode_s)
+
+    @contextlib.contextmanager
+    def _drained(self):
+        """Hold admission, wait for the requests in flight to finish, then hold the engine lock."""
+        with self._queue_cv:
+            self._holds += 1
+            while self._in_flight and not self._closed:
+                self._queue_cv.wait()
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._queue_cv:
+                self._holds -= 1
+                self._queue_cv.notify_all()
 
     def load_weights(self, hf_dir: str, policy_version: int) -> float:
         """Hot-load weights from an HF safetensors folder without restarting; returns the pause in s.
@@ -234,7 +311,7 @@ class VLLMEngine:
         The prefix cache is reset (cached KV was computed by the old weights). vLLM's expected
         "Failed to load weights" warnings are dropped (``infra.rollout.reload_warnings``).
         """
-        with self._lock:
+        with self._drained():
             start = time.monotonic()
             self.llm.collective_rpc(reload_repacked, kwargs={"weights_path": hf_dir})
             self.llm.reset_prefix_cache()
@@ -248,7 +325,7 @@ class VLLMEngine:
         a tied ``lm_head.weight`` is skipped by vLLM's loader. Needs the engine in this process
         (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as set here). The prefix cache is reset.
         """
-        with self._lock:
+        with self._drained():
             start = time.monotonic()
             self.llm.collective_rpc(reload_repacked, kwargs={"weights_iterator": iter(named_tensors.items())})
             self.llm.reset_prefix_cache()
@@ -288,6 +365,25 @@ class VLLMEngine:
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""
+
+
+def own_thread_count(threads: int) -> None:
+    """This thread's torch CPU ops use ``threads`` threads; other threads keep torch's process-wide default.
+
+    OpenMP's thread count (``nthreads-var``) belongs to the calling thread, but ``torch.set_num_threads``
+    also stores a process-wide value that threads started later take on their first op
+    (``at::init_num_threads``). So: this thread takes its default first (``get_num_threads`` runs its lazy
+    init), then sets its own count, and a short-lived thread puts the process-wide value back. Through
+    ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op once its
+    engine is up (``vllm.v1.worker.cpu_worker.CPUWorker.init_device``).
+    """
+    import torch
+
+    default = torch.get_num_threads()
+    torch._C.set_num_threads(threads)
+    restore = threading.Thread(target=torch._C.set_num_threads, args=(default,), name="torch-threads-restore")
+    restore.start()
+    restore.join()
 
 
 def reload_repacked(worker, **reload_kwargs) -> None:
