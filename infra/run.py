@@ -206,12 +206,12 @@ class Run:
                                             seed=seed, threads=e.threads)
                     self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
                                                 e.routing, policy_version=self._policy.version, owns_servers=True)
-                case InprocEngine():
+                case InprocEngine() as e:
                     from infra.rollout.engine import VLLMEngine
 
                     self._engine = VLLMEngine(self._policy.weights_dir, dtype=dtype, max_model_len=m.max_model_len,
                                               kv_cache_gib=m.kv_cache_gib, seed=seed,
-                                              policy_version=self._policy.version)
+                                              policy_version=self._policy.version, threads=e.threads)
                 case other:
                     assert_never(other)
         return self._engine
