@@ -200,7 +200,10 @@ def toolchain_findings(changes: Iterable[tuple[str, str]], facts: Facts) -> list
         parent, name = posixpath.split(path)
         verb = _VERB.get(kind, kind)
         ok = path in facts.recorded
-        if name in HOOKS and kind != "D" and not ok:
+        site = _SITE.match(path)
+        # site imports sitecustomize from sys.path at start-up: a site dir itself, the stdlib, PYTHONPATH; one
+        # inside a package (debugpy vendors pydevd's) is not on it
+        if name in HOOKS and kind != "D" and not ok and (site is None or site.group(3) is None):
             flag(path, f"Python start-up hook {verb}")
             continue
         if parent in SYSTEM_BIN and kind in "CD" and not ok:
@@ -215,10 +218,13 @@ def toolchain_findings(changes: Iterable[tuple[str, str]], facts: Facts) -> list
                           and q not in kinds and facts.types.get(q, "-") != "-"]
                 if hidden:
                     flag(path, f"added module shadows {hidden[0]}")
-        if (site := _SITE.match(path)) and "/__pycache__/" not in path:
+        if site and "/__pycache__/" not in path:
             site_dir, rest = site.group(1), path[len(site.group(1)) + 1:]
             top = _top(rest)
-            if top in TOOL_PACKAGES and not ok and not (kind == "D" and (site_dir, top) in reinstalled):
+            # a distribution's metadata runs nothing (its RECORD cannot hash itself); entry points are judged below
+            metadata = "/" in rest and _DIST_INFO.match(site.group(2)) and name != "entry_points.txt"
+            reinstall = kind == "D" and (site_dir, top) in reinstalled
+            if top in TOOL_PACKAGES and not ok and not metadata and not reinstall:
                 flag(path, f"test runner package {top} {verb} (not by a package install)")
             if name == "entry_points.txt" and kind != "D" and "pytest11" in facts.texts.get(path, "") and not ok:
                 flag(path, "pytest plugin entry point added (not by a package install)")

@@ -121,12 +121,24 @@ def test_a_symlink_to_an_unchanged_image_file_is_allowed_but_not_to_an_added_one
 def test_a_recorded_pip_install_of_pytest_passes_and_a_loose_file_in_it_does_not():
     changes = [("A", f"{SITE}/_pytest/__init__.py"), ("A", f"{SITE}/_pytest/runner.py"),
                ("A", f"{SITE}/pytest-8.3.5.dist-info/RECORD"), ("A", "/usr/local/bin/pytest")]
-    recorded = frozenset({f"{SITE}/_pytest/__init__.py", f"{SITE}/_pytest/runner.py",
-                          f"{SITE}/pytest-8.3.5.dist-info/RECORD", "/usr/local/bin/pytest"})
+    recorded = frozenset({f"{SITE}/_pytest/__init__.py", f"{SITE}/_pytest/runner.py", "/usr/local/bin/pytest"})
     assert toolchain_findings(changes, Facts(recorded=recorded)) == []
     # runner.py edited after the install: its bytes no longer match the RECORD
     assert paths(toolchain_findings(changes, Facts(recorded=recorded - {f"{SITE}/_pytest/runner.py"}))) == [
         f"{SITE}/_pytest/runner.py"]
+
+
+def test_pip_metadata_and_a_vendored_sitecustomize_are_not_tampering():
+    """Seen on real tasks (Terminal-Bench jupyter-notebook-server, causal-inference-r): ``pip install notebook``
+    adds packaging's dist-info, whose RECORD lists itself without a hash, and debugpy, which vendors a
+    ``sitecustomize.py`` deep inside its package (not on ``sys.path`` at start-up)."""
+    changes = [("A", f"{SITE}/packaging/version.py"), ("A", f"{SITE}/packaging-26.4.dist-info/RECORD"),
+               ("A", f"{SITE}/packaging-26.4.dist-info/REQUESTED"),
+               ("A", f"{SITE}/debugpy/_vendored/pydevd/pydev_sitecustomize/sitecustomize.py")]
+    assert toolchain_findings(changes, Facts(recorded=frozenset({f"{SITE}/packaging/version.py"}))) == []
+    # the code itself still has to match its record, and a sitecustomize in the site dir is still a hook
+    assert paths(toolchain_findings(changes + [("A", f"{SITE}/sitecustomize.py")], Facts())) == [
+        f"{SITE}/packaging/version.py", f"{SITE}/sitecustomize.py"]
 
 
 def test_an_upgrade_may_delete_old_files_of_the_package_it_reinstalls():
