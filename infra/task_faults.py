@@ -78,6 +78,10 @@ _NAMED_HOST = re.compile(r"Looking in (?:indexes|links): ((?:https?://[^\s,]+[, 
                          r"^\s*GET https?://([A-Za-z0-9.-]+)", re.MULTILINE)  # GET: a fetch script's progress line
 
 
+_LISTED = re.compile(r"unreachable host\(s\) ([A-Za-z0-9.-]+(?:, [A-Za-z0-9.-]+)*)")
+_UNNAMED = "a host this machine cannot resolve (the log does not name it: a name lookup failed)"
+
+
 def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT) -> list[str]:
     """Hosts ``log`` says could not be resolved or reached, in order of first mention (reachable ones left out)."""
     text = strip_ansi(log)
@@ -90,6 +94,8 @@ def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT)
                 found += [(m.start(), h) for h in re.findall(r"https?://([A-Za-z0-9.-]+)", m.group(1))]
             else:
                 found.append((m.start(), m.group(2) or m.group(3)))
+    for m in _LISTED.finditer(text):  # our own validation message lists them
+        found += [(m.start(), h) for h in m.group(1).split(", ")]
     hosts: list[str] = []
     for _, host in sorted(found, key=lambda f: f[0]):
         host = host.rstrip(".")
@@ -135,6 +141,8 @@ def classify(reason: str, log: str, validation: str = "", build_network: bool = 
                                      "tasks.build_network = true (or bake what it fetches into a local base image)")
         if hosts:
             return "unreachable_host", f"needs {', '.join(hosts)}, which this machine cannot reach{at}"
+        if build_network and _LOOKUP_FAILED.search(text):
+            return "unreachable_host", f"needs {_UNNAMED}{at}"
         return "build_failed", f"the Dockerfile failed{at}; see the build log"
     if "no reference solution" in reason:
         return "no_solution", "add solution.sh (Terminal-Bench) or solution/solve.sh (Harbor)"

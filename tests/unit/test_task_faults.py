@@ -69,6 +69,21 @@ def test_online_build_failures_are_unreachable_host_or_plain_build_failures():
     assert classify("image build failed: pull access denied for ghcr.io/x/y", "")[0] == "registry_image"
 
 
+def test_real_unreachable_host_failures_are_counted_apart():
+    """Seen on Terminal-Bench tasks: hf-model-inference's solution fails its tests because huggingface.co is
+    unreachable (named in our validation message), and mnist-learning-fix's build downloads a dataset whose
+    client names no host (httpx2 ``ConnectError: [Errno -2] Name or service not known``)."""
+    hf = classify("validation failed: reference solution scored 0.0 (tests_failed); unreachable host(s) "
+                  "huggingface.co, cdn-lfs.hf.co: FAILED ../tests/test_outputs.py::test_model_downloaded", "", "failed")
+    assert hf == ("unreachable_host", "needs huggingface.co, cdn-lfs.hf.co, which this machine cannot reach")
+    log = "Step 7/13 : RUN python create_dataset.py\n    raise mapped_exc(message) from exc\n" \
+          "httpx2.ConnectError: [Errno -2] Name or service not known\n"
+    cause, fix = classify("image build failed: The command '/bin/sh -c python create_dataset.py' returned 1", log)
+    assert cause == "unreachable_host" and "does not name it" in fix and "Step 7/13" in fix
+    # offline builds say so instead
+    assert classify("image build failed: x", log, build_network=False)[0] == "needs_network"
+
+
 def test_validation_tells_a_broken_test_environment_from_a_failing_solution():
     unreachable = classify("validation failed: reference solution scored 0.0 (tests_did_not_run); unreachable host(s) "
                            "astral.sh: ...", RUN_TESTS, "failed")
