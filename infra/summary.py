@@ -18,6 +18,36 @@ SCHEDULING_KEYS = ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler
                    "zero_variance_wait_s")
 
 
+#: Where an episode's wall time goes (:func:`episode_time_split`), in order; they sum to ``episode_s``.
+EPISODE_PARTS = ("sandbox_acquire_s", "engine_queue_s", "prefill_s", "decode_s", "generation_other_s", "tool_s",
+                 "verify_s", "overhead_s")
+
+
+def episode_time_split(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per finished episode in each of :data:`EPISODE_PARTS`, and ``episode_s``; {} when none finished.
+
+    From the trajectory columns: ``generation_other_s`` = ``generation_s`` - engine queue - prefill - decode
+    (our side of a generate call: tokenization, the gateway); ``overhead_s`` = ``episode_s`` - acquire -
+    generation - tools - verification (the harness and the runner). Rows that are ``infra_failure`` or carry
+    no ``episode_s`` (written before it existed) are left out.
+    """
+    rows = [r for r in rows if r["outcome"] != "infra_failure" and (r.get("episode_s") or 0.0) > 0]
+    if not rows:
+        return {}
+    total = dict.fromkeys((*EPISODE_PARTS, "episode_s"), 0.0)
+    for r in rows:
+        engine = r["engine_queue_s"] + r["prefill_s"] + r["decode_s"]
+        parts = {"sandbox_acquire_s": r["sandbox_acquire_s"], "engine_queue_s": r["engine_queue_s"],
+                 "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
+                 "generation_other_s": max(0.0, r["generation_s"] - engine), "tool_s": r["tool_s"],
+                 "verify_s": r["verify_s"], "episode_s": r["episode_s"],
+                 "overhead_s": max(0.0, r["episode_s"] - r["sandbox_acquire_s"] - r["generation_s"] - r["tool_s"]
+                                   - r["verify_s"])}
+        for k, v in parts.items():
+            total[k] += v
+    return {k: v / len(rows) for k, v in total.items()}
+
+
 @dataclass(frozen=True)
 class Selection:
     """The step's training tasks (``infra.difficulty.select_tasks``) and the stage's seconds."""
@@ -62,6 +92,8 @@ class RolloutStats:
     verifier_tampered: int = 0
     """Rows whose verification found the agent had tampered with the verifier (``envs.tamper``): model
     failures with reward 0."""
+    episode_time_s: dict[str, float] = field(default_factory=dict)
+    """The mean episode's wall time by part (:func:`episode_time_split`)."""
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:
@@ -138,6 +170,7 @@ class StepSummary:
             "completion_tokens_mean": round(b.completion_tokens_mean, 2), "turns_mean": round(b.turns_mean, 2),
             "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
             "verifier_tampered": b.verifier_tampered,
+            "episode_time_s": {k: round(v, 3) for k, v in getattr(b, "episode_time_s", {}).items()},
             "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
             **{k: m[k] for k in ("logprob_abs_diff", "kl_k1", "kl_k3", "ratio_p05", "ratio_p95", "tis_capped_frac",

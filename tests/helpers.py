@@ -33,7 +33,8 @@ def make_row(**over):
                completion_tokens=2, reward=1.0, outcome="success", reason="tests_passed", stop_reason="stop",
                agent_end="done", num_turns=1, commands=[], image="img", image_digest="sha256:x", seed=1,
                temperature=1.0, top_p=1.0, max_tokens=8, queue_s=0.0, sandbox_acquire_s=0.1, generation_s=0.2,
-               tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s", segment_starts=[0])
+               tool_s=0.0, verify_s=0.1, engine_replica="e", sandbox_id="s", segment_starts=[0], episode_s=0.5,
+               engine_queue_s=0.02, prefill_s=0.05, decode_s=0.1)
     row.update(over)
     return row
 

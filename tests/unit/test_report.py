@@ -10,7 +10,8 @@ import pytest
 from infra.report import NARROW_COLUMNS, attention, banner, narrow_table, render_report
 from tests.unit.test_summary import summary as step_summary
 
-NEW_KEYS = ("completion_tokens_mean", "turns_mean")  # absent from summaries stored before they were recorded
+# absent from summaries stored before they were recorded
+NEW_KEYS = ("completion_tokens_mean", "turns_mean", "episode_time_s")
 
 
 def _summary(step: int, **kw) -> dict:
@@ -18,6 +19,9 @@ def _summary(step: int, **kw) -> dict:
     s = {"step": step, "time_to_batch_s": 10.0 + step, "reward_mean": 0.1 * step, "completion_tokens_mean": 40.0 + step,
          "turns_mean": 2.5, "outcomes": {"success": step, "model_failure": 8 - step}, "infra_reasons": {}, "retried": 0,
          "verifier_tampered": 0,
+         "episode_time_s": {"sandbox_acquire_s": 1.0, "engine_queue_s": 0.5, "prefill_s": 1.0, "decode_s": 5.0,
+                            "generation_other_s": 0.1, "tool_s": 2.0, "verify_s": 3.0, "overhead_s": 0.4,
+                            "episode_s": 13.0},
          "sandbox_warm": 8, "sandbox_acquire_p50_s": 0.1, "rows": 8, "rollouts_reused": False, "policy_lag_max": 1.0,
          "logprob_abs_diff": 3e-6, "kl_k1": -2e-7, "kl_k3": 1e-9, "ratio_p05": 0.99, "ratio_p95": 1.01,
          "tis_capped_frac": 0.0, "tis_masked_frac": 0.001, "rows_with_signal": 4.0, "optimizer_step": 1.0,
@@ -142,13 +146,13 @@ def _images(md: str) -> list[tuple[str, bytes]]:
     return [(alt, base64.b64decode(data)) for alt, data in found]
 
 
-def test_report_banner_first_six_png_plots_then_a_row_per_step():
+def test_report_banner_first_seven_png_plots_then_a_row_per_step():
     md = render_report("run-x", [_summary(2), _summary(0), _summary(1, eval_pass_at_k={}, eval_pass_at_1=None)])
     assert md.splitlines()[2] == "> ✅ **Step 2: all clear**: learned (rows_with_signal=4/8 update_norm=1.23e-03); " \
                                  "no infra failures, dropped groups or refused checkpoint"
     images = _images(md)
     assert [alt for alt, _ in images] == ["reward curve", "policy lag histogram", "time to batch breakdown",
-                                          "mismatch and KL", "importance ratio", "episodes"]
+                                          "episode time breakdown", "mismatch and KL", "importance ratio", "episodes"]
     assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for _, png in images)
     assert "| " + " | ".join(NARROW_COLUMNS) + " |" in md
     assert [int(m) for m in re.findall(r"^\| (\d+) \|", md, re.M)] == [0, 1, 2]  # sorted by step
@@ -158,7 +162,7 @@ def test_report_banner_first_six_png_plots_then_a_row_per_step():
 
 def test_old_summaries_without_the_new_keys_still_render():
     md = render_report("run-old", [_old(0), _old(1, policy_lag_hist={})])  # and a sync collector's: no lag histogram
-    assert len(_images(md)) == 6 and "| 1 | yes | 4/8 |" in md
+    assert len(_images(md)) == 7 and "| 1 | yes | 4/8 |" in md
 
 
 def test_empty_history():

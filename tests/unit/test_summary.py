@@ -24,7 +24,8 @@ STORED_KEYS = {
 }
 ADDED_KEYS = {"rows_trained", "update_norm", "segments_trained",  # since the step line says whether the step learned
               "completion_tokens_mean", "turns_mean",  # since the report plots response length and turns
-              "verifier_tampered"}  # since verification detects tampering
+              "verifier_tampered",  # since verification detects tampering
+              "episode_time_s"}  # since the report splits an episode's wall time
 TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,
          "logprob_abs_diff": 2e-5, "kl_k1": 1e-6, "kl_k3": 3e-6, "tis_capped_frac": 0.0, "tis_masked_frac": 0.0,
          "ratio_p05": 0.999, "ratio_p50": 1.0, "ratio_p95": 1.001, "rows_dropped_divergence": 0.0,
@@ -94,9 +95,16 @@ def test_store_step_means_over_episodes_that_ran_to_an_end():
     assert (stats.completion_tokens_mean, stats.turns_mean) == (20.0, 2.5)
     assert (stats.reward_mean, stats.outcomes, stats.infra_reasons) == (1 / 3, {"success": 1, "model_failure": 1,
                                                                                "infra_failure": 1}, {"sandbox_lost": 1})
+    # the mean finished episode by part (make_row: 0.5 s, of which generation 0.2 = queue 0.02 + prefill 0.05 +
+    # decode 0.1 + 0.03 ours, acquire 0.1, verification 0.1, no tools: 0.1 overhead)
+    split = stats.episode_time_s
+    assert {k: round(v, 6) for k, v in split.items()} == {
+        "sandbox_acquire_s": 0.1, "engine_queue_s": 0.02, "prefill_s": 0.05, "decode_s": 0.1,
+        "generation_other_s": 0.03, "tool_s": 0.0, "verify_s": 0.1, "overhead_s": 0.1, "episode_s": 0.5}
+    assert abs(sum(v for k, v in split.items() if k != "episode_s") - split["episode_s"]) < 1e-9
     with materializing(1):
         empty = store_step(run, 1, [], [], {}, 0.5)
-    assert (empty.completion_tokens_mean, empty.turns_mean) == (0.0, 0.0)
+    assert (empty.completion_tokens_mean, empty.turns_mean, empty.episode_time_s) == (0.0, 0.0, {})
 
 
 def test_step_line_as_printed():
