@@ -144,7 +144,10 @@ def test_report_and_summaries_stored_and_shown(finished_run, s3):
     stored = json.loads(s3.cat_file(f"{run}/summaries/step-000000.json"))
     assert stored["checkpoint"] == summaries[0]["checkpoint"] and stored["reward_mean"] == summaries[0]["reward_mean"]
     report = s3.cat_file(f"{run}/report.md").decode()
-    assert report.count("data:image/png;base64,") == 6 and "| 0 |" in report
+    assert report.count("data:image/png;base64,") == 7 and "| 0 |" in report
+    split = stored["episode_time_s"]  # the mean episode's wall time by part, from the real rows
+    assert split["episode_s"] > 0 and split["decode_s"] > 0 and split["prefill_s"] > 0
+    assert abs(sum(v for k, v in split.items() if k != "episode_s") - split["episode_s"]) < 0.01
     api = PREFECT_API_URL.value()
     for suffix, kind in (("report", "markdown"), ("steps", "table"), ("steps-all", "table"),
                          ("episodes-step-0", "markdown"), ("step-0-lineage", "markdown"), ("difficulty", "table"),

@@ -24,7 +24,8 @@ def _choices(schema: dict, model: str, field: str) -> tuple[list[str], dict]:
 
 
 def test_each_backend_union_is_a_choice_with_its_default(schema):
-    assert _choices(schema, "RunConfig", "engine") == (["InprocEngine", "ServersEngine"], {"kind": "inproc", "threads": 0})
+    assert _choices(schema, "RunConfig", "engine") == (["InprocEngine", "ServersEngine"],
+                                                       {"kind": "inproc", "threads": 0})
     assert _choices(schema, "RunConfig", "publish") == (
         ["StoragePublish", "DirectPublish", "ColocatedPublish"], {"kind": "storage"})
     names, default = _choices(schema, "RolloutConfig", "scheduler")
