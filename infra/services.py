@@ -56,12 +56,15 @@ REGION = "us-east-1"
 DEFAULT_S3_PORT = 8333
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 DEBIAN_SUITE = "bookworm"
-DEBOOTSTRAP_PACKAGES = ("python3", "python3-pytest", "procps", "tmux")
+DEBOOTSTRAP_PACKAGES = ("python3", "python3-pytest", "procps", "tmux", "ca-certificates")
 """Packages baked into the base image: image builds here have no registry or network (tmux: the agent's shell)."""
-BASE_RECIPE = "3"
+BASE_RECIPE = "4"
 """Version of the base image's recipe (``DEBOOTSTRAP_PACKAGES``, import changes), its label
 ``agentrl.recipe``: an image or ``base.tar.gz`` of another version is rebuilt. Bump it with the recipe.
-(1, unlabelled: without tmux; 2: tmux added; 3: apt sources on Debian's public archive.)"""
+(1, unlabelled: without tmux; 2: tmux added; 3: apt sources on Debian's public archive; 4: ca-certificates,
+the machine's extra CAs and the CA variables, as the local equivalents of registry images have them.)"""
+CA_LABEL = "agentrl.base.ca_sha256"
+"""Label: the extra CAs the base image trusts (``infra.base_images._ca_digest``); other CAs rebuild it."""
 BASE_RECIPE_LABEL = "agentrl.recipe"
 # not under agentrl.base.*: those labels mark the local equivalents of registry images (infra.base_images)
 READY_TIMEOUT_S = 60.0
@@ -579,8 +582,33 @@ def _public_sources(rootfs: Path) -> None:
     (rootfs / "etc/apt/sources.list.d/debian.sources").write_text(apt_sources(BOOKWORM, "/" + keyring))
 
 
+def _extra_ca_bundle() -> Path | None:
+    """The machine's extra CA bundle (``$PIP_CERT`` or ``$SSL_CERT_FILE``, as ``DockerBackend``), if it exists."""
+    found = [os.environ.get(k, "") for k in ("PIP_CERT", "SSL_CERT_FILE")]
+    return next((Path(f) for f in found if f and Path(f).is_file()), None)
+
+
+def _trust_extra_cas(rootfs: Path, ca_bundle: Path | None) -> list[str]:
+    """Add the CAs of ``ca_bundle`` the rootfs does not trust yet (``update-ca-certificates`` in a chroot).
+
+    Returns the import changes that point TLS clients at the system bundle (``infra.base_images.ENV``'s).
+    """
+    from infra.base_images import CA_FILE, ENV, extra_certificates
+
+    if ca_bundle is not None:
+        extras = extra_certificates(ca_bundle.read_text(), (rootfs / CA_FILE.lstrip("/")).read_text())
+        for i, pem in enumerate(extras):
+            (rootfs / f"usr/local/share/ca-certificates/agentrl-extra-{i}.crt").write_text(pem)
+        if extras:
+            subprocess.run(["chroot", str(rootfs), "update-ca-certificates"], check=True, capture_output=True)
+    return [f"ENV {k}={ENV[k]}" for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE")]
+
+
 def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> None:
     """Build ``tag`` with debootstrap + docker import (root only, ~1-2 min, needs the mirror).
+
+    The image trusts the machine's extra CAs (:func:`_extra_ca_bundle`: a TLS proxy's), so a sandbox with
+    the network reaches PyPI over https as the host does.
 
     Raises:
         RuntimeError: Not root, debootstrap failed, or the import produced no image.
@@ -610,6 +638,10 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
             )
         _scrub_apt(rootfs)
         _public_sources(rootfs)
+        from infra.base_images import _ca_digest
+
+        ca_bundle = _extra_ca_bundle()
+        ca_env = _trust_extra_cas(rootfs, ca_bundle)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         assert tar.stdout is not None
         repo, _, version = tag.partition(":")
@@ -617,7 +649,8 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
             iter(lambda: tar.stdout.read(1 << 20), b""),
             repository=repo,
             tag=version,
-            changes=['CMD ["/bin/bash"]', f'LABEL {BASE_RECIPE_LABEL}="{BASE_RECIPE}"'],
+            changes=['CMD ["/bin/bash"]', f'LABEL {BASE_RECIPE_LABEL}="{BASE_RECIPE}"',
+                     f'LABEL {CA_LABEL}="{_ca_digest(ca_bundle)}"', *ca_env],
         )
         if tar.wait() != 0:
             raise RuntimeError(f"tar of {rootfs} failed (exit {tar.returncode})")
@@ -628,11 +661,14 @@ def _build_base_image(client: docker.DockerClient, state: Path, tag: str) -> Non
 
 
 def _base_image_current(client: docker.DockerClient, tag: str) -> bool | None:
-    """Whether ``tag`` is of the current recipe (label ``agentrl.recipe``); None when absent."""
+    """Whether ``tag`` is of the current recipe (label ``agentrl.recipe``) and extra CAs; None when absent."""
+    from infra.base_images import _ca_digest
+
     images = client.images.list(name=tag)
     if not images:
         return None
-    return (images[0].labels or {}).get(BASE_RECIPE_LABEL) == BASE_RECIPE
+    labels = images[0].labels or {}
+    return labels.get(BASE_RECIPE_LABEL) == BASE_RECIPE and labels.get(CA_LABEL) == _ca_digest(_extra_ca_bundle())
 
 
 def _ensure_base_image(client: docker.DockerClient, state: Path, tag: str = BASE_IMAGE) -> None:

@@ -106,12 +106,19 @@ class _Client:
         self.images = images
 
 
-CURRENT = {services.BASE_RECIPE_LABEL: services.BASE_RECIPE}
+def _current_ca() -> str:
+    from infra.base_images import _ca_digest
+
+    return _ca_digest(services._extra_ca_bundle())
+
+
+CURRENT = {services.BASE_RECIPE_LABEL: services.BASE_RECIPE, services.CA_LABEL: _current_ca()}
 
 
 @pytest.mark.parametrize(("present", "cache", "loads", "builds"), [
     (CURRENT, None, 0, 0),  # current image: nothing to do
     ({}, None, 0, 1),  # an image of before the label (no tmux): rebuilt, cache written
+    ({**CURRENT, services.CA_LABEL: "other"}, None, 0, 1),  # built trusting other extra CAs: rebuilt
     (None, CURRENT, 1, 0),  # absent, current cache: loaded
     (None, {}, 1, 1),  # absent, cache of an older recipe: loaded, found old, rebuilt and the cache replaced
     (None, None, 0, 1),  # absent, no cache: built
@@ -134,3 +141,4 @@ def test_base_image_of_an_older_recipe_is_rebuilt(tmp_path: Path, monkeypatch: p
     if builds:
         assert (tmp_path / "base.tar.gz").read_bytes() != b"old"  # the new image saved over the cache
     assert "tmux" in services.DEBOOTSTRAP_PACKAGES  # the agent's persistent shell
+    assert "ca-certificates" in services.DEBOOTSTRAP_PACKAGES  # https from a sandbox with the network
