@@ -61,11 +61,12 @@ import posixpath
 import re
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envs.task import Outcome, Verdict
+from infra.sandbox.base import SandboxInfraError
 
 if TYPE_CHECKING:
     from infra.sandbox.base import Sandbox
@@ -99,6 +100,8 @@ RUNNER_TOKENS = ("pytest", "pluggy", "junit", "unittest", "os._exit", "sys.exit"
 """Words in a ``.pth`` (or what it imports) that make its code a hook on the runner."""
 HOOKS = frozenset({"sitecustomize.py", "usercustomize.py"})
 PYCACHE_ENV = "PYTHONPYCACHEPREFIX"
+FACTS_TIMEOUT_S = 600.0
+"""The facts script hashes every candidate path (two processes each): a large ``pip install`` takes minutes."""
 _IGNORED = ("/tmp/", "/proc/", "/sys/", "/dev/", "/.agentrl-exec")  # tmpfs and the engine's own mounts
 _INFRA_ADDED = frozenset({"/usr/sbin/docker-init", "/.agentrl-exec"})  # what every container has (init=True)
 _SITE = re.compile(r"^(.*/(?:site|dist)-packages)/([^/]+)(?:/(.*))?$")
@@ -326,16 +329,40 @@ def check_toolchain(sandbox: Sandbox, path: str | None = None) -> list[Finding]:
     records = {p: raw for p in _record_files(changes) if (raw := sandbox.get_file(p)) is not None}
     sha, md5 = parse_records(records)
     # a package upgrade may rewrite bash or libc: their bytes are hashed here, by the engine, no container tool
-    flagged = [f.path for f in exec_safety_findings(changes) if f.path in md5]
-    upgraded = frozenset(p for p in flagged if (raw := sandbox.get_file(p)) is not None
-                         and hashlib.md5(raw, usedforsecurity=False).hexdigest() == md5[p])
+    kinds = {p: k for k, p in changes}
+    found = exec_safety_findings(changes)
+    upgraded = frozenset(f.path for f in found if _vouched(sandbox, f.path, md5, kinds))
     found = exec_safety_findings(changes, upgraded)
     if found:
         return found
     given = _path_dirs(path) if path is not None else ()
     if not _candidates(changes, given or DEFAULT_PATH):  # nothing whose facts matter (deletions need none): no script
-        return toolchain_findings(changes, Facts())
-    return toolchain_findings(changes, _gather(sandbox, changes, sha, md5, path))
+        return toolchain_findings(changes, Facts(recorded=upgraded))
+    facts = _gather(sandbox, changes, sha, md5, path)
+    facts = replace(facts, recorded=facts.recorded | upgraded)
+    # a package upgrade also rewrites its symlinks (pdb3.11 -> ../lib/python3.11/pdb.py), which no record hashes
+    links = frozenset(f.path for f in toolchain_findings(changes, facts)
+                      if facts.types.get(f.path) == "l" and _vouched(sandbox, f.path, md5, kinds))
+    return toolchain_findings(changes, replace(facts, recorded=facts.recorded | links))
+
+
+def _vouched(sandbox: Sandbox, path: str, md5: dict[str, str], kinds: Mapping[str, str], hops: int = 8) -> bool:
+    """Whether ``path`` holds what a dpkg md5sums of this session records, read by the engine (no container tool).
+
+    dpkg records no hash for a symlink (``apt-get install python3-pip`` adds ``libpython3.11.so.1``, a link
+    to the recorded ``libpython3.11.so.1.0``; an upgrade recreates ``sitecustomize.py`` -> ``/etc/python3.11/``):
+    a link counts when what it resolves to is recorded, or is a file of the image the agent did not change.
+    """
+    followed = False
+    for _ in range(hops):
+        if path in md5:
+            raw = sandbox.get_file(path)
+            return raw is not None and hashlib.md5(raw, usedforsecurity=False).hexdigest() == md5[path]
+        target = sandbox.get_link(path)
+        if target is None:
+            return followed and path not in kinds and sandbox.get_file(path) is not None
+        path, followed = posixpath.normpath(posixpath.join(posixpath.dirname(path), target)), True
+    return False
 
 
 def _path_dirs(raw_path: str) -> tuple[str, ...]:
@@ -352,7 +379,11 @@ def _gather(sandbox: Sandbox, changes: list[tuple[str, str]], sha: dict[str, str
     path_dirs = _path_dirs(raw_path) or DEFAULT_PATH
     sandbox.put_file("".join(p + "\n" for p in _candidates(changes, path_dirs)).encode(), f"{work}/paths")
     sandbox.put_file(_FACTS_SCRIPT.encode(), f"{work}/facts.sh")
-    sandbox.exec(f"/bin/sh {work}/facts.sh {work}/paths {work}/facts", timeout_s=120, workdir="/")
+    done = sandbox.exec(f"/bin/sh {work}/facts.sh {work}/paths {work}/facts", timeout_s=FACTS_TIMEOUT_S, workdir="/")
+    if done.timed_out or done.exit_code != 0:  # partial facts would read as tampering: the check did not run
+        how = f"timed out after {FACTS_TIMEOUT_S:.0f} s" if done.timed_out else f"exited {done.exit_code}"
+        raise SandboxInfraError("tamper_check_failed", f"the tamper check's facts script {how} on "
+                                f"{len(_candidates(changes, path_dirs))} paths: {done.output[-300:]}")
     lines = (sandbox.get_file(f"{work}/facts") or b"").decode("utf-8", "replace")
     sandbox.exec(f"/bin/rm -rf {work}", timeout_s=10, workdir="/")
     types, targets, recorded = {}, {}, set()

@@ -249,6 +249,10 @@ class InMemorySandbox:
         """The bytes stored at ``path``, None when absent."""
         return self.files.get(path)
 
+    def get_link(self, path: str) -> str | None:
+        """No symlinks here."""
+        return None
+
     def close(self) -> None:
         """Mark closed (counted once by the backend)."""
         if not self.closed:

@@ -96,6 +96,10 @@ class Sandbox(Protocol):
         """Read a regular file from the sandbox; None when it does not exist."""
         ...
 
+    def get_link(self, path: str) -> str | None:
+        """The target of the symlink at ``path`` as stored (relative or absolute); None when it is not a symlink."""
+        ...
+
     def close(self) -> None:
         """Remove the sandbox; never raises for an already gone container."""
         ...

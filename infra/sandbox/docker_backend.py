@@ -772,6 +772,18 @@ class DockerSandbox:
                 return None
             return tar.extractfile(member).read()
 
+    def get_link(self, path: str) -> str | None:
+        """A symlink's stored target, read through the engine's archive API (no process in the container)."""
+        try:
+            stream, _ = self._container.get_archive(path)
+        except docker.errors.NotFound:
+            return None
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            raise SandboxInfraError("docker_api_error", f"{self.sandbox_id} during get_archive: {e}") from e
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            member = tar.next()
+            return member.linkname if member is not None and member.issym() else None
+
     def close(self) -> None:
         """Force-remove the container; already gone is fine.
 
