@@ -208,6 +208,21 @@ def real(batch: int, group_size: int, replicas: int, steps: int, train_s: float,
     return results, fit
 
 
+def load_workload(path: Path) -> FleetModel:
+    """A :class:`FleetModel` from a fit (its fields) or a workload file (``model``, ``sources``, ``assumed``).
+
+    A workload file's sources and assumptions are printed: every figure says where it comes from.
+    """
+    data = json.loads(path.read_text())
+    if "model" not in data:
+        return FleetModel(**data)
+    print(f"workload {path.name}: {data.get('description', '')}")
+    for kind in ("sources", "assumed"):
+        for fields, text in data.get(kind, {}).items():
+            print(f"  {kind[:-1] if kind == 'sources' else kind}: {fields}: {text}")
+    return FleetModel(**data["model"])
+
+
 def report(scale: str, results: dict) -> None:
     """Print both configurations and the reduction."""
     n, o = results["naive"], results["optimized"]
@@ -243,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet-train-s", type=float, default=60.0)
     p.add_argument("--time-scale", type=float, default=0.01)
     p.add_argument("--fit", default=str(RESULTS / "batch_fit.json"),
-                   help="fleet model JSON (written by the real scale)")
+                   help="fleet model JSON (written by the real scale), or a workload file with sources "
+                        "(benchmarks/workloads/published_swe.json)")
     p.add_argument("--out", default=str(RESULTS / "batch_time.json"))
     a = p.parse_args(argv)
     out: dict = {}
@@ -257,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         out["real"] = res
     if a.scale in ("fleet", "both"):
         fit_path = Path(a.fit)
-        model = FleetModel(**json.loads(fit_path.read_text())) if fit_path.exists() else FleetModel()
-        print(f"fleet model from {fit_path if fit_path.exists() else 'defaults'}")
+        model = load_workload(fit_path) if fit_path.exists() else FleetModel()
+        print(f"fleet model from {fit_path if fit_path.exists() else 'defaults'}: {model.to_dict()}")
         res = fleet(model, a.fleet_batch, a.fleet_group_size, a.fleet_replicas, a.fleet_sandboxes, a.steps + 1,
                     a.fleet_train_s, a.overprovision, a.time_scale, a.seed)
         report(f"fleet scale (B={a.fleet_batch}, simulated)", res)
