@@ -63,8 +63,10 @@ BASE_RECIPE = "4"
 ``agentrl.recipe``: an image or ``base.tar.gz`` of another version is rebuilt. Bump it with the recipe.
 (1, unlabelled: without tmux; 2: tmux added; 3: apt sources on Debian's public archive; 4: ca-certificates,
 the machine's extra CAs and the CA variables, as the local equivalents of registry images have them.)"""
-CA_LABEL = "agentrl.base.ca_sha256"
-"""Label: the extra CAs the base image trusts (``infra.base_images._ca_digest``); other CAs rebuild it."""
+CA_LABEL = "agentrl.recipe.ca_sha256"
+"""Label: the extra CAs the base image trusts (``infra.base_images._ca_digest``); other CAs rebuild it. Not under
+``agentrl.base.``: that prefix marks the local equivalents of registry images (``DockerBackend._is_local_equivalent``),
+whose FROM lines are then rewritten."""
 BASE_RECIPE_LABEL = "agentrl.recipe"
 # not under agentrl.base.*: those labels mark the local equivalents of registry images (infra.base_images)
 READY_TIMEOUT_S = 60.0
