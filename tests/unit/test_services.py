@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,22 @@ def test_weed_ports_block() -> None:
         services._weed_ports(65530)
 
 
+def _wait_argv(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until ``/proc/<pid>/cmdline`` holds the new program's argv.
+
+    Popen returns once the vforked child has released the parent's memory inside execve, which
+    the kernel does before it lays out the new argv: for a moment the cmdline reads empty (CI,
+    on a loaded machine, saw ``_our_pid`` answer None for a live ``sleep 30``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not services._cmdline(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_our_pid_checks_cmdline(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        _wait_argv(proc.pid)
         pid_file = tmp_path / "x.pid"
         pid_file.write_text(f"{proc.pid}\n")
         assert services._our_pid(pid_file, "sleep", "30") == proc.pid
