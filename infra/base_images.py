@@ -95,12 +95,12 @@ class LocalBase:
 
 TRIXIE_PY = LocalBase("agentrl-python:3.13-trixie-2", "debian", "trixie", "3.13", True)
 BOOKWORM_PY = LocalBase("agentrl-python:3.11-bookworm-2", "debian", "bookworm", "3.11", True)
-NOBLE_PY = LocalBase("agentrl-python:3.12-noble-2", "ubuntu", "noble", "3.12", True)
-JAMMY_PY = LocalBase("agentrl-python:3.10-jammy-2", "ubuntu", "jammy", "3.10", True)
+NOBLE_PY = LocalBase("agentrl-python:3.12-noble-3", "ubuntu", "noble", "3.12", True)
+JAMMY_PY = LocalBase("agentrl-python:3.10-jammy-3", "ubuntu", "jammy", "3.10", True)
 TRIXIE = LocalBase("agentrl-debian:13-trixie-1", "debian", "trixie", "", False)
 BOOKWORM = LocalBase("agentrl-debian:12-bookworm-1", "debian", "bookworm", "", False)
-NOBLE = LocalBase("agentrl-ubuntu:24.04-noble-1", "ubuntu", "noble", "", False)
-JAMMY = LocalBase("agentrl-ubuntu:22.04-jammy-1", "ubuntu", "jammy", "", False)
+NOBLE = LocalBase("agentrl-ubuntu:24.04-noble-2", "ubuntu", "noble", "", False)
+JAMMY = LocalBase("agentrl-ubuntu:22.04-jammy-2", "ubuntu", "jammy", "", False)
 
 _DISTRO_PY = "distro python3.{} instead of python.org's build"
 MAPPING: tuple[tuple[str, LocalBase, str], ...] = (
@@ -207,7 +207,7 @@ def local_base_for(image: str) -> tuple[LocalBase, str] | None:
 
     Returns:
         ``(base, note)``; the note reads ``"<image> -> <tag> (<differences>)"``, e.g.
-        ``"python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-2 (Python 3.10 is in no current Debian
+        ``"python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-3 (Python 3.10 is in no current Debian
         release; Ubuntu jammy's python3.10 used; jammy instead of bookworm)"``.  None when ``MAPPING``
         has no equivalent (the caller falls back or fails).
     """
@@ -328,8 +328,14 @@ def _debootstrap(base: LocalBase, rootfs: Path, bases_dir: Path, log_file: Path)
     _run_step(f"debootstrap {base.suite}", argv, log_file)
 
 
-def _slim(rootfs: Path) -> None:
-    """Drop what the slim images exclude and make dpkg exclude it from later installs too."""
+def _slim(rootfs: Path, man_sections: bool) -> None:
+    """Drop what the slim images exclude and make dpkg exclude it from later installs too.
+
+    ``man_sections`` keeps ``/usr/share/man/man1``..``man8`` as empty folders, as Ubuntu's images
+    have them: update-alternatives links man pages there and fails when they are missing (openjdk's
+    post-install, in Terminal-Bench's predicate-pushdown-bench on ``t-bench/ubuntu-24-04``). Debian's
+    slim images lack them (debuerreotype/docker-debian-artifacts#24), so Debian bases stay without.
+    """
     for tree in _DPKG_EXCLUDES:
         top = rootfs / tree
         if not top.is_dir():
@@ -349,6 +355,9 @@ def _slim(rootfs: Path) -> None:
         if tree == "usr/share/doc":
             rules.append("path-include /usr/share/doc/*/copyright")
     (rootfs / "etc/dpkg/dpkg.cfg.d/docker-slim").write_text("\n".join(rules) + "\n")
+    if man_sections:
+        for n in range(1, 9):
+            (rootfs / f"usr/share/man/man{n}").mkdir(parents=True, exist_ok=True)
 
 
 def _upgrade(rootfs: Path, log_file: Path) -> None:
@@ -391,7 +400,7 @@ def _configure(base: LocalBase, rootfs: Path, ca_bundle: Path | None, log_file: 
     policy = rootfs / "usr/sbin/policy-rc.d"
     policy.write_text("#!/bin/sh\nexit 101\n")
     policy.chmod(0o755)
-    _slim(rootfs)
+    _slim(rootfs, man_sections=base.distro == "ubuntu")
     _upgrade(rootfs, log_file)
     for name, text in (("etc/hostname", ""), ("etc/resolv.conf", ""),
                        ("etc/hosts", "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")):

@@ -122,4 +122,7 @@ def test_noble_base(client, services_env):
         "apt-get update": ("apt-get update -qq && apt-cache policy tmux | grep -m1 http",
                            "http://archive.ubuntu.com/ubuntu noble"),
         "https through the CA": ("curl -sSf -o /dev/null https://pypi.org/simple/six/ && echo ok", "ok"),
+        # update-alternatives links man pages there (openjdk's post-install failed without them)
+        "man sections": ("ls -d /usr/share/man/man1 /usr/share/man/man8 && ls -A /usr/share/man/man1 | wc -l",
+                         "/usr/share/man/man1\n/usr/share/man/man8\n0"),
     })

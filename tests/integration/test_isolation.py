@@ -154,7 +154,7 @@ def test_exec_deadline_separate_from_client_timeout(backend):
 def greeting(backend):
     task = load_harbor_task(HARBOR / "write-greeting")
     tag, _, log = backend.build_image("harbor/write-greeting", task.build_context, fallback_base=BASE_IMAGE)
-    assert "base image ubuntu:24.04 -> agentrl-ubuntu:24.04-noble-1" in log  # its local equivalent
+    assert "base image ubuntu:24.04 -> agentrl-ubuntu:24.04-noble-2" in log  # its local equivalent
     return task, tag
 
 

@@ -26,7 +26,7 @@ def test_terminal_bench_task_builds_online_on_its_base_and_names_the_host_it_can
         backend.client.images.remove(image.id, force=True)
     entry, log = _one(backend, FIXTURES / "terminal-bench" / "csv-to-parquet")
     # the registry base image has its local equivalent, and the Dockerfile's apt-get reached Ubuntu's archive
-    assert "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624 -> agentrl-ubuntu:24.04-noble-1" in log
+    assert "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624 -> agentrl-ubuntu:24.04-noble-2" in log
     assert "Step 2/4 : RUN apt-get update && apt-get install -y curl" in log and entry.image  # (layers may be cached)
     # run-tests.sh ran as authored (apt-get, then curl astral.sh | sh): not the solution's fault, not ours
     assert (entry.usable, entry.cause) == (False, "unreachable_host")

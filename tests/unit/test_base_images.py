@@ -73,14 +73,14 @@ def test_notes_say_what_differs():
         "(distro python3.13 instead of python.org's build; trixie instead of bookworm)"
     )
     assert local_base_for("python:3.10-slim-bookworm")[1] == (
-        "python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-2 (Python 3.10 is in no current Debian release; "
+        "python:3.10-slim-bookworm -> agentrl-python:3.10-jammy-3 (Python 3.10 is in no current Debian release; "
         "Ubuntu jammy's python3.10 used; jammy instead of bookworm)"
     )
     assert "upstream is python:3.13-slim-bookworm" in local_base_for("ghcr.io/laude-institute/t-bench/python-3-13:x")[1]
     assert "Ubuntu noble's python3.12" in local_base_for("python:3.12-slim-bookworm")[1]
     assert "nearest available is Ubuntu jammy's python3.10" in local_base_for("python:3.8")[1]
     assert "digest ignored" in local_base_for("python:3.11@sha256:" + "0" * 64)[1]
-    assert local_base_for("ubuntu:24.04")[1] == "ubuntu:24.04 -> agentrl-ubuntu:24.04-noble-1"  # nothing differs
+    assert local_base_for("ubuntu:24.04")[1] == "ubuntu:24.04 -> agentrl-ubuntu:24.04-noble-2"  # nothing differs
 
 
 def test_table_is_consistent():
