@@ -1,7 +1,9 @@
 """A harness's own virtual environment: its pinned packages from PyPI, apart from the run's (no conflicts).
 
-``$AGENTRL_STATE/harnesses/{name}/`` is created once per requirement set (``installed.json`` records
-it) under a file lock, so concurrent episodes wait for one install.
+``{cache}/{name}/`` is created once per requirement set (``installed.json`` records it) under a file
+lock, so concurrent episodes, runs and checkouts wait for one install. The cache is
+``AGENTRL_HARNESS_CACHE`` or ``~/.cache/agentrl/harnesses``, outside any checkout (as the model cache
+is): a fresh clone reuses what an earlier one installed instead of paying 1-2 min per harness again.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infra.layout import repo_root
+
+def cache_root() -> Path:
+    """Harness install cache (``AGENTRL_HARNESS_CACHE`` or ``~/.cache/agentrl/harnesses``), absolute."""
+    default = Path.home() / ".cache" / "agentrl" / "harnesses"
+    return Path(os.environ.get("AGENTRL_HARNESS_CACHE") or default).resolve()
 
 
 def _root(name: str) -> Path:
-    return Path(os.environ.get("AGENTRL_STATE", repo_root() / ".state")) / "harnesses" / name
+    return cache_root() / name
 
 
 def _install_once(name: str, requirements: list[str], installed: str, install, where: str) -> Path:
