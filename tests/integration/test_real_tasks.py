@@ -46,3 +46,14 @@ def test_offline_build_of_a_task_that_downloads_says_so(backend, tmp_path):
     assert (entry.usable, entry.cause) == (False, "needs_network")
     assert "Step 2/3: RUN pip install --no-cache-dir six==1.16.0" in entry.fix  # (step 3: our LABEL)
     assert "tasks.build_network = true" in entry.fix
+
+
+def test_terminal_bench_task_whose_run_tests_installs_its_test_dependencies_validates(backend):
+    """stable-parallel-kmeans, as authored: a network build (pip installs numpy, scikit-learn, jupyter...
+    on ``t-bench/python-3-13``), then its ``run-tests.sh`` pip-installs pytest and pytest-timeout (PyPI
+    through the machine's CA) and runs ``$TEST_DIR/test_outputs.py``, parsed by the task's pytest parser.
+    The reference solution (``solution.sh``, run as the agent would) passes; a do-nothing agent does not."""
+    entry, log = _one(backend, FIXTURES / "terminal-bench" / "stable-parallel-kmeans")
+    assert "ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-python:3.13-trixie-2" in log
+    assert (entry.usable, entry.validation, entry.cause) == (True, "passed", ""), (entry.reason, log[-3000:])
+    assert "reference solution passes; do-nothing scores 0.0" in log
