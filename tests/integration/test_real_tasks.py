@@ -5,7 +5,11 @@ from pathlib import Path
 import pytest
 
 from envs.taskset import load_taskset
-from infra.environments import build_catalog
+from infra.environments import BASE_IMAGE, build_catalog
+from infra.rollout.collector import Collector, CollectSettings
+from infra.rollout.scheduler import EpisodeJob
+from infra.store import validate_rows
+from tests.fakes import ScriptedEngine
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +61,36 @@ def test_terminal_bench_task_whose_run_tests_installs_its_test_dependencies_vali
     assert "ghcr.io/laude-institute/t-bench/python-3-13:20250620 -> agentrl-python:3.13-trixie-2" in log
     assert (entry.usable, entry.validation, entry.cause) == (True, "passed", ""), (entry.reason, log[-3000:])
     assert "reference solution passes; do-nothing scores 0.0" in log
+
+
+def test_built_in_agent_keeps_its_shell_across_turns_on_a_real_task(backend, tiny_tokenizer):
+    """The built-in agent (scripted replies) on stable-parallel-kmeans, in a real sandbox of the task's image:
+    a ``cd`` and an ``export`` of turn 1 hold in turn 2 (one persistent shell per episode, as Terminal-Bench's
+    tmux session), a file written in the image's WORKDIR stays there, and the task's own ``run-tests.sh``
+    scores it: no ``stable_kmeans.py``, so the tests fail and it is a model failure, not an infra one."""
+    tasks, errors = load_taskset(FIXTURES / "terminal-bench" / "stable-parallel-kmeans")
+    assert errors == []
+    (task,) = tasks
+    (entry,), _ = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"}, max_parallel_builds=1,
+                                validate=False)
+    assert entry.usable, entry.reason
+    replies = ["```bash\ncd /tmp && export SPK_DIR=/app && mkdir -p turn1\n```",
+               "```bash\necho \"cwd=$(pwd) dir=$SPK_DIR\" && ls -d turn1 && cd \"$SPK_DIR\" && echo 2 > turn2.txt\n```",
+               "```bash\ncat /app/turn2.txt && pwd\n```",
+               "DONE"]
+    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=4096)
+    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=96, max_turns=5,
+                               seed=0, max_infra_retries=0)
+    c = Collector(engine, backend, settings, code_image=BASE_IMAGE)
+    c.bind("run", 0, {task.task_id: (entry.image, entry.image_digest)})
+    try:
+        row = c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0))
+    finally:
+        c.close()
+    validate_rows([row])
+    assert len(row["commands"]) == 3 and row["agent_end"] == "done"
+    seen = [tiny_tokenizer.decode(r.request.prompt_ids) for r in engine.received]
+    assert "cwd=/tmp dir=/app\nturn1\n" in seen[2]  # turn 1's cd, export and folder held in turn 2
+    assert "2\n/app" in seen[3]  # turn 2's file, and its cd held in turn 3
+    # scored by the task's run-tests.sh and pytest parser: its tests ran and failed (no stable_kmeans.py)
+    assert (row["outcome"], row["reason"], row["reward"]) == ("model_failure", "tests_failed", 0.0), row["reason"]
