@@ -31,6 +31,22 @@ from infra.train.grpo import (
 EXCLUDED_OUTCOMES = ("infra_failure", "unknown")
 
 
+def _skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op for a one-rank group.
+
+    The op reduces across ranks on one host; with one rank there is nothing to reduce, and building it is
+    a C++ compile on a machine without the torch-extensions cache. ``TorchBackend`` builds it only when
+    ``deepspeed.ops.__compatible_ops__`` marks it compatible (``deepspeed/comm/torch.py: build_shm_op``);
+    that dict is cached in the module so that edits persist, and gloo's all-reduce is the fallback.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,6 +132,8 @@ class GRPOTrainer:
             os.environ.setdefault(key, value)
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+            _skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.config.use_cache = False
