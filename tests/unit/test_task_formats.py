@@ -387,3 +387,32 @@ def test_bad_harbor_fields(tmp_path, monkeypatch, toml, message):
     monkeypatch.delenv("AGENTRL_TEST_UNSET", raising=False)
     with pytest.raises(TaskError, match=f"task.toml: {message}"):
         load_harbor_task(harbor_folder(tmp_path, toml))
+
+
+REAL_MMTB = Path(__file__).resolve().parents[1] / "fixtures" / "real_tasks" / "harbor-mmtb"
+
+
+def test_real_harbor_task_with_a_helper_beside_solve_sh(tmp_path):
+    """mmtb-core's lipsync-drift-correction, verbatim: ``solve.sh`` runs ``python3 /solution/lipsync_solve.py``,
+    a file beside it; ``task.toml`` schema 1.1 with ``[agent]``/``[verifier]``/``[environment]`` set. (Its image
+    fetches media from huggingface.co at build, so here it is loaded and scored with an in-memory sandbox.)"""
+    folder = REAL_MMTB / "lipsync-drift-correction"
+    t = load_harbor_task(folder)
+    assert t.task_id == "harbor/lipsync-drift-correction"
+    assert (t.agent_timeout_s, t.verifier_timeout_s) == (1200.0, 240.0)  # [agent] / [verifier] timeout_sec
+    # [environment] cpus, memory_mb, storage_mb, allow_internet
+    assert (t.limits.cpus, t.limits.memory_mb, t.limits.disk_mb, t.limits.network) == (2, 6144, 20480, True)
+
+    def exec_fn(box, command):
+        if command == HARBOR_TEST_COMMAND:  # its test.sh (python /tests/verifier.py) writes the reward
+            box.files["/logs/verifier/reward.txt"] = b"1\n"
+        return (0, "", 0.0, False)
+
+    box = box_for(exec_fn)
+    v = t.reference(box, with_solution=True)
+    assert (v.reward, v.reason) == (1.0, "tests_passed")
+    for name in ("solve.sh", "lipsync_solve.py"):  # Harbor's oracle uploads the whole solution/ folder
+        assert box.files[f"/solution/{name}"] == (folder / "solution" / name).read_bytes()
+    assert box.files["/tests/verifier.py"] == (folder / "tests" / "verifier.py").read_bytes()
+    solve = next(i for i, (c, _, _) in enumerate(box.execs) if c.endswith("/solution/solve.sh"))
+    assert box.execs[solve][1] == 1200.0  # the oracle runs within the agent's budget
