@@ -19,9 +19,10 @@ import sys
 import tempfile
 import time
 
+from infra.rollout.servers import free_port
+
 _CHILD = """
-import json, os, sys, time
-t0 = time.monotonic()
+import json, sys, time
 import deepspeed, torch
 import deepspeed.comm as dc
 if sys.argv[1] == "skip":
@@ -37,19 +38,11 @@ print(json.dumps({"init_distributed_s": t2 - t1, "all_reduce": x.tolist(),
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(variant: str) -> dict:
     """One fresh process of ``variant`` (``build`` or ``skip``); its JSON result."""
     with tempfile.TemporaryDirectory() as ext:
         env = {**os.environ, "TORCH_EXTENSIONS_DIR": ext, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         out = subprocess.run([sys.executable, "-c", _CHILD, variant], env=env, capture_output=True, text=True,
                              check=True, timeout=900)
     return json.loads(out.stdout.strip().splitlines()[-1])
