@@ -60,6 +60,7 @@ AGENT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETG
 (chown, setgid maintainer scripts), ``pip`` and a server on port 80 need, as in the upstream
 harnesses' containers. Left out of Docker's defaults: NET_RAW (raw sockets: spoofing on the bridge),
 MKNOD, AUDIT_WRITE, SETFCAP, SETPCAP, SYS_CHROOT. no-new-privileges stays."""
+_CHANGING_FILE_READS = 5  # get_file: reads of a file that changes while the engine archives it
 # Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
 # fills its disk quota still gets its output back), read back with one more exec once the command
 # finished (the archive API cannot read a tmpfs). The previous output is removed first.
@@ -759,18 +760,38 @@ class DockerSandbox:
         self._api("put_archive", self._container.put_archive, parent or "/", buf.getvalue())
 
     def get_file(self, path: str) -> bytes | None:
-        """Read one regular file (through the engine's archive API, no size limit); None if absent."""
-        try:
-            stream, _ = self._container.get_archive(path)
-        except docker.errors.NotFound:
-            return None  # either the file or the container is gone; exec calls tell the two apart
-        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
-            raise SandboxInfraError("docker_api_error", f"{self.sandbox_id} during get_archive: {e}") from e
-        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-            member = tar.next()
-            if member is None or not member.isfile():
-                return None
-            return tar.extractfile(member).read()
+        """Read one regular file (through the engine's archive API, no size limit); None if absent.
+
+        A file rewritten while the engine archives it (an agent's process still writing it: the engine
+        stats the size, then copies fewer or more bytes and cuts the stream) is read again, up to
+        ``_CHANGING_FILE_READS`` times; one that never holds still reads as the bytes the engine sent
+        before it cut the stream. Callers that must trust a file compare manifests around the read.
+        """
+        partial = b""
+        for attempt in range(_CHANGING_FILE_READS):
+            if attempt:
+                time.sleep(0.02 * attempt)
+            try:
+                stream, _ = self._container.get_archive(path)
+                raw = b"".join(stream)
+            except docker.errors.NotFound:
+                return None  # either the file or the container is gone; exec calls tell the two apart
+            except requests.exceptions.ChunkedEncodingError:
+                continue  # the engine cut the stream mid-file: the file changed under it
+            except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+                raise SandboxInfraError("docker_api_error", f"{self.sandbox_id} during get_archive: {e}") from e
+            try:
+                with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+                    member = tar.next()
+                    if member is None or not member.isfile():
+                        return None
+                    partial = raw[member.offset_data:member.offset_data + member.size]
+                    return tar.extractfile(member).read()
+            except tarfile.TarError:
+                continue  # header promised more bytes than the stream holds: the file shrank while read
+        log.warning("%s: %s kept changing over %d reads; using the last partial read (%d bytes)",
+                       self.sandbox_id, path, _CHANGING_FILE_READS, len(partial))
+        return partial
 
     def get_link(self, path: str) -> str | None:
         """A symlink's stored target, read through the engine's archive API (no process in the container)."""

@@ -186,3 +186,10 @@ def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):
     assert idle == "2", r.stdout  # two warm sandboxes ran while the process lived
     left = backend.client.containers.list(all=True, ignore_removed=True, filters={"label": f"{OWNER_LABEL}={owner}"})
     assert left == [], [c.name for c in left]
+
+
+def test_a_file_rewritten_while_read_is_read_whole_or_as_sent(sandbox):
+    """An agent's process rewriting a file in a tight loop (the reward-loop attack) never breaks a read."""
+    sandbox.exec("nohup sh -c 'while :; do echo 1 > /f; echo 22222222 > /f; done' >/dev/null 2>&1 &", 5)
+    reads = [sandbox.get_file("/f") for _ in range(50)]
+    assert all(r is not None and (r in (b"1\n", b"22222222\n") or b"22222222\n".startswith(r)) for r in reads)
