@@ -89,7 +89,12 @@ def start_temporary_server(home: Path, timeout_s: float = 180.0) -> tuple[subpro
 
 
 def stop_process_group(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group of ``pid``, then SIGKILL what is left after ``timeout_s``."""
+    """SIGTERM the process group of ``pid``, then SIGKILL what is left after ``timeout_s``.
+
+    ``pid``, when it is this process's child, is reaped as soon as it exits: unreaped, its zombie kept
+    the group alive to ``killpg(pid, 0)``, and every stop waited out both timeouts (20 s at each
+    flow's end).
+    """
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -97,6 +102,8 @@ def stop_process_group(pid: int, timeout_s: float = 10.0) -> None:
             return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
             try:
                 os.killpg(pid, 0)
             except (ProcessLookupError, PermissionError):
@@ -140,7 +147,10 @@ def flow_backend(home: Path | None = None) -> Iterator[str]:
     os.environ[FLOW_RUNS_FILE] = str(runs_file)
     try:
         with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}):
-            yield api_url
+            try:
+                yield api_url
+            finally:
+                drain_workers()  # this run's queued logs and events go to its server before that server stops
     finally:
         watchdog.terminate()
         watchdog.wait(timeout=10)
@@ -151,6 +161,32 @@ def flow_backend(home: Path | None = None) -> Iterator[str]:
         runs_file.unlink(missing_ok=True)
         if server is not None:
             stop_process_group(server.pid)
+
+
+def drain_workers() -> None:
+    """Send Prefect's queued logs and events now, as ``prefect_test_harness`` does before it stops its server.
+
+    Prefect keys these workers by client type, not API URL: drained, the next log or event starts one
+    for whatever ``PREFECT_API_URL`` then says.
+    """
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:  # never started
+            pass
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
 
 
 def record_flow_run(flow_run_id: str) -> None:

@@ -43,7 +43,7 @@ def checkout_server(tmp_path_factory, services_env):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from infra import prefect_server
-    from infra.prefect_backend import free_port
+    from infra.prefect_backend import drain_workers, free_port
 
     home = tmp_path_factory.mktemp("prefect-home")
     api_url = prefect_server.start(home, port=free_port(), home=home)  # its own database and profile
@@ -52,34 +52,12 @@ def checkout_server(tmp_path_factory, services_env):
             # Prefect keys its EventsWorker by client type, not API URL: one started for another server
             # (the session's test harness, by an earlier module) would keep sending this module's task
             # runs and asset events there. Drained, the next event starts one for this server.
-            drain_prefect_workers()
+            drain_workers()
             yield api_url
-            drain_prefect_workers()  # send what is queued for this server before it stops (or the session's
+            drain_workers()  # send what is queued for this server before it stops (or the session's
             # harness teardown later waits forever on events addressed to a server that is gone)
     finally:
         prefect_server.stop(home)
-
-
-def drain_prefect_workers() -> None:
-    """Flush Prefect's queued logs and events, as ``prefect_test_harness`` does before stopping its server."""
-    import inspect
-
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
-    async def drain() -> None:
-        try:
-            result = APILogWorker.instance().drain()
-            if inspect.isawaitable(result):
-                await result
-        except RuntimeError:  # never started
-            pass
-        result = EventsWorker.drain_all()
-        if inspect.isawaitable(result):
-            await result
-
-    run_coro_as_sync(drain())
 
 
 @pytest.fixture(scope="module")
