@@ -48,16 +48,10 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
     check_eval_precision(config)
     with tagged(config), Run.open(config) as run, Publisher(run) as publish:
         claim_config(run.fs, config, allow_config_change)
-        # the engine starts (a thread of the flow's task runner) while the tasks build and validate: neither
-        # needs the other (make run: the engine took 31 s after build_envs before)
-        policy_ready = prepare_policy.submit(run)
-        try:
-            build_envs(run)
-            materialize_task_images(run)
-        finally:
-            policy_ready.wait()  # a failed build waits for the engine it started, so the run closes it
+        build_envs(run)
+        materialize_task_images(run)
         summaries = []
-        for step in range(policy_ready.result(), config.steps):
+        for step in range(prepare_policy(run), config.steps):
             selection = select_step_tasks(run, step)
             batch = rollouts_for_step(run, selection.chosen, step, task_image_assets(run, selection.chosen))
             trained = train(run, batch, step)
