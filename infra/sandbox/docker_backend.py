@@ -63,10 +63,40 @@ MKNOD, AUDIT_WRITE, SETFCAP, SETPCAP, SYS_CHROOT. no-new-privileges stays."""
 _CHANGING_FILE_READS = 5  # get_file: reads of a file that changes while the engine archives it
 # Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
 # fills its disk quota still gets its output back), read back with one more exec once the command
-# finished (the archive API cannot read a tmpfs). The previous output is removed first.
+# finished (the archive API cannot read a tmpfs). The wrapper opens the output file before anything
+# forks and uses builtins only (dash exits on a failed fork), so a sandbox out of processes (its pids
+# limit) still reports what its shell said: earlier outputs are emptied (a process left over from an
+# earlier command may still hold one open), and the command replaces the wrapper (exec, no fork).
 _EXEC_DIR = "/.agentrl-exec"
-_EXEC_WRAPPER = (f'mkdir -p {_EXEC_DIR} && rm -f {_EXEC_DIR}/*.out; '
-                 f'timeout -s KILL "$0" bash -c "$1" > "{_EXEC_DIR}/$2" 2>&1')
+_EXEC_WRAPPER = (f'[ -d {_EXEC_DIR} ] || mkdir -p {_EXEC_DIR}; exec > "{_EXEC_DIR}/$2" 2>&1 || exit 126; '
+                 f'for f in {_EXEC_DIR}/*.out; do [ "$f" = "{_EXEC_DIR}/$2" ] || [ ! -s "$f" ] || : > "$f"; done; '
+                 f'exec timeout -s KILL "$0" bash -c "$1"')
+# stop_agent_processes, in sh with builtins only (a fork bomb leaves no process to fork): (1) SIGSTOP
+# every process but init, its command and this shell, pass after pass, until a pass finds the same pids
+# as the one before (all stopped: none can fork, and a fork racing a pending signal is restarted after
+# it); (2) SIGKILL them; (3) until none is left, zombies included (they hold the pids limit's slots
+# until init reaps them), kill again and wait, up to 2 s. Prints how many processes were killed.
+_STOP_SCRIPT = r"""keep=" KEEP $$ "
+signal() {
+  n=0
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    case "$keep" in *" $p "*) continue;; esac
+    kill -$1 "$p" 2>/dev/null && n=$((n+1))
+  done
+}
+i=0; prev=
+while [ $i -lt 200 ]; do
+  i=$((i+1)); signal STOP; set -- /proc/[0-9]*; now="$*"
+  [ "$now" = "$prev" ] && break
+  prev=$now
+done
+signal 9; t=$n; i=0
+while [ $i -lt 40 ]; do
+  i=$((i+1)); signal 9; [ $n -eq 0 ] && break
+  sleep 0.05 2>/dev/null
+done
+echo $t"""
 _NO_TMUX_WARNED: set[str] = set()  # images already logged as having no tmux (run_in_shell falls back to exec)
 # Files of a Terminal-Bench task folder that never enter the image build context.
 _HIDDEN = ("tests", "solution.sh", "solution.yaml", "task.yaml", "run-tests.sh")
@@ -715,24 +745,20 @@ class DockerSandbox:
         return [(kinds.get(c["Kind"], "?"), c["Path"]) for c in self._api("diff", self._container.diff) or []]
 
     def stop_agent_processes(self) -> int:
-        """SIGKILL every process in the container except init and its ``sleep``.
+        """SIGKILL every process in the container except init and its ``sleep`` (``_STOP_SCRIPT``).
 
         Called before verification, so nothing the agent left running can touch the tests or the
-        reward file.
+        reward file. A fork bomb is stopped whole before it is killed, and the call returns once its
+        processes are reaped (or after 2 s of waiting), so the next command has the pids limit back.
 
         Returns:
-            How many processes were signalled.
+            How many processes were killed.
 
         Raises:
             SandboxInfraError: the container is gone or the engine failed.
         """
         keep = " ".join(str(p) for p in self._main_pids())
-        # Passes repeat until one finds nothing to kill: a fork bomb respawns while it is being killed. Each
-        # pass stops every process first (a stopped process cannot fork), then kills them.
-        others = (f"for d in /proc/[0-9]*; do p=${{d#/proc/}}; case \" {keep} $$ \" in *\" $p \"*) ;; "
-                  "*) kill -SIG $p 2>/dev/null && n=$((n+1));; esac; done")
-        script = (f"t=0; i=0; while [ $i -lt 50 ]; do i=$((i+1)); n=0; {others.replace('SIG', 'STOP')}; n=0; "
-                  f"{others.replace('SIG', '9')}; t=$((t+n)); [ $n -eq 0 ] && break; done; echo $t")
+        script = _STOP_SCRIPT.replace("KEEP", keep)
         r = self._api("exec", self._container.exec_run, ["sh", "-c", script])
         try:
             return int((r.output or b"0").split()[-1])

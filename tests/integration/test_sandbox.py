@@ -192,4 +192,9 @@ def test_a_file_rewritten_while_read_is_read_whole_or_as_sent(sandbox):
     """An agent's process rewriting a file in a tight loop (the reward-loop attack) never breaks a read."""
     sandbox.exec("nohup sh -c 'while :; do echo 1 > /f; echo 22222222 > /f; done' >/dev/null 2>&1 &", 5)
     reads = [sandbox.get_file("/f") for _ in range(50)]
-    assert all(r is not None and (r in (b"1\n", b"22222222\n") or b"22222222\n".startswith(r)) for r in reads)
+    # the engine copies at most the size it stat'ed, reading the file at rising offsets while the loop
+    # truncates and rewrites it: each byte read is the byte at that offset of some version of the file
+    versions = (b"1\n", b"22222222\n")
+    torn = [r for r in reads if r is None or any(not any(i < len(v) and v[i] == c for v in versions)
+                                                 for i, c in enumerate(r))]
+    assert not torn, torn
