@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@contextlib.contextmanager
+def _engine_lock(exclusive: bool):
+    """Under pytest-xdist, a readers-writer lock on the shared dockerd across the run's workers (flock).
+
+    Every test holds it shared; an ``engine_exclusive`` test (one that restarts dockerd) holds it alone.
+    The turnstile gives the exclusive one preference: while it waits, no shared holder enters. Without
+    xdist it does nothing.
+    """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"agentrl-tests-{run}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.engine", "a") as engine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(engine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(engine, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures' set-up and tear-down included, under the shared-dockerd lock."""
+    with _engine_lock(exclusive=item.get_closest_marker("engine_exclusive") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,8 @@ def test_fork_bomb_is_contained(boxes):
     # the pids limit held: the sandbox itself still answers once the bomb is killed, and so does another
     assert bomb.stop_agent_processes() > 100
     # nothing of the bomb is left (zombies included): a pipe forks, and only the command's own processes count
-    r = bomb.exec("echo alive | cat; cat /sys/fs/cgroup/pids.current 2>/dev/null || cat /sys/fs/cgroup/pids/pids.current", 10)
+    r = bomb.exec("echo alive | cat; cat /sys/fs/cgroup/pids.current 2>/dev/null || "
+                  "cat /sys/fs/cgroup/pids/pids.current", 10)
     assert r.output.split()[0] == "alive" and int(r.output.split()[1]) < 10, r.output
     assert other.exec("echo alive | cat", 5).output.strip() == "alive"
     pids = int(bomb.exec("cat /sys/fs/cgroup/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids/pids.max", 5).output)
@@ -350,6 +351,7 @@ def test_setup_command_is_snapshotted_once(backend, tmp_path):
         backend.client.images.remove(entry.image, force=True)
 
 
+@pytest.mark.engine_exclusive
 def test_engine_restart_during_starts_leaves_no_container(backend):
     """Starts racing a dockerd restart: every container created is removed, reply lost or not."""
     import threading

@@ -434,6 +434,7 @@ def test_killed_sandbox_is_infra_failure_and_retried(live_run):
     assert len(rows) == 3 and _left_behind(rt.backend, rows) == []
 
 
+@pytest.mark.engine_exclusive
 def test_engine_restart_mid_batch_completes_and_classifies(live_run):
     import threading
 
