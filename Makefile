@@ -43,11 +43,12 @@ model: venv
 run: up model
 	$(SERVICES) && $(PY) -m flows.post_train --config $(CONFIG)
 
-# Tests run on TEST_WORKERS pytest-xdist workers, a whole file per worker (module fixtures are built once);
-# the tests that restart dockerd run alone (tests/conftest.py). TEST_WORKERS=0 runs them one by one.
+# Tests run on TEST_WORKERS pytest-xdist workers, a whole file per worker (module fixtures are built once),
+# the longest files first; the tests that restart dockerd run alone (tests/conftest.py). TEST_WORKERS=0
+# runs them one by one.
 TEST_WORKERS ?= 2
 test: up
-	$(SERVICES) && $(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile tests/unit tests/integration
+	$(SERVICES) && $(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/unit tests/integration
 
 test-slow: up model
 	$(SERVICES) && $(PY) -m pytest -q tests/slow

@@ -40,6 +40,21 @@ def _engine_lock(exclusive: bool):
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
+# Test files by their time in a fresh-clone CI run (2026-12-03), longest first. make test hands whole
+# files to its xdist workers in collection order (--no-loadscope-reorder): longest first, so no worker
+# idles at the end while the other runs a long file. Files not named keep their order, after these.
+_LONGEST_FIRST = ("test_post_train", "test_real_tasks", "test_tamper", "test_third_party_harnesses", "test_resume",
+                  "test_post_train_servers", "test_base_images", "test_servers", "test_ray", "test_sandbox",
+                  "test_isolation", "test_compose", "test_deployments", "test_prefect_backend", "test_shell")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Order the integration files longest first (``_LONGEST_FIRST``); tests inside a file keep their order."""
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)) if "integration" in item.path.parts
+               else len(rank) + 1)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Each test, its fixtures' set-up and tear-down included, under the shared-dockerd lock."""
