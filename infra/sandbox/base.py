@@ -22,7 +22,8 @@ class SandboxInfraError(RuntimeError):
     Attributes:
         reason: a short reason code (``sandbox_start_failed``, ``container_vanished``,
             ``docker_api_error``, ``engine_unreachable``, ``shell_failed``: the persistent shell's
-            driver reported nothing; ``file_unstable``: every read of a file was cut before its header).
+            driver reported nothing; ``file_unstable``: every read of a file was cut before its header;
+            ``exec_start_failed``: the runtime could not start a process in it, attempt after attempt).
     """
 
     def __init__(self, reason: str, message: str):

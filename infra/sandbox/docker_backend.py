@@ -61,6 +61,10 @@ AGENT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETG
 harnesses' containers. Left out of Docker's defaults: NET_RAW (raw sockets: spoofing on the bridge),
 MKNOD, AUDIT_WRITE, SETFCAP, SETPCAP, SYS_CHROOT. no-new-privileges stays."""
 _CHANGING_FILE_READS = 5  # get_file: reads of a file that changes while the engine archives it
+# A process the runtime could not start (exit 126, "OCI runtime exec failed: ... read init-p: connection
+# reset by peer"): at the pids limit, runc's init needs a slot that a fork bomb's processes race for, so
+# under CPU contention one exec in a few dozen loses. Nothing ran, so it is started again, this many times.
+_EXEC_START_ATTEMPTS = 8
 # Commands run detached; their output goes to a file on a small tmpfs of its own (so a model that
 # fills its disk quota still gets its output back), read back with one more exec once the command
 # finished (the archive API cannot read a tmpfs). The wrapper opens the output file before anything
@@ -597,7 +601,7 @@ class DockerSandbox:
         """Pids (inside the container) of init and the ``sleep`` it runs, read once, before any agent command."""
         deadline = time.monotonic() + 5.0
         while self._keep_pids is None:
-            r = self._api("exec", self._container.exec_run, ["cat", "/proc/1/task/1/children"])
+            r = self._exec_run("exec", ["cat", "/proc/1/task/1/children"])
             words = (r.output or b"").split()
             if r.exit_code == 0 and words and all(w.isdigit() for w in words):
                 self._keep_pids = (1, *(int(w) for w in words))
@@ -618,6 +622,24 @@ class DockerSandbox:
             raise SandboxInfraError(reason, f"{self.sandbox_id} during {what}: {e}") from e
         except (requests.exceptions.RequestException, docker.errors.DockerException) as e:
             raise SandboxInfraError("engine_unreachable", f"{self.sandbox_id} during {what}: {e}") from e
+
+    def _exec_run(self, what: str, argv: list[str]):
+        """``exec_run`` of ``argv``, started again while the runtime cannot start its process.
+
+        ``_EXEC_START_ATTEMPTS`` attempts, 0.05-0.5 s apart. Returns the SDK's ``ExecResult`` (exit code,
+        output bytes).
+
+        Raises:
+            SandboxInfraError: as :meth:`_api`; ``exec_start_failed`` when no attempt started.
+        """
+        for attempt in range(_EXEC_START_ATTEMPTS):
+            if attempt:
+                time.sleep(min(0.05 * 2 ** (attempt - 1), 0.5))
+            r = self._api(what, self._container.exec_run, argv)
+            if not (r.exit_code == 126 and (r.output or b"").startswith(b"OCI runtime exec failed")):
+                return r
+        raise SandboxInfraError("exec_start_failed", f"{self.sandbox_id} during {what}: {_EXEC_START_ATTEMPTS} "
+                                                     f"attempts: {r.output.decode('utf-8', 'replace').strip()}")
 
     def _stopped_reason(self) -> str:
         """Why a container that should be running is not: ``container_vanished`` or ``environment_broken``.
@@ -653,7 +675,8 @@ class DockerSandbox:
         command; stdout and stderr are merged, as a terminal shows them.
 
         Raises:
-            SandboxInfraError: the container is gone or the engine failed.
+            SandboxInfraError: the container is gone or the engine failed; ``exec_start_failed`` when the
+                output could not be read (the runtime could not start a process, ``_EXEC_START_ATTEMPTS`` times).
         """
         start = time.monotonic()
         self._execs += 1
@@ -661,8 +684,8 @@ class DockerSandbox:
         argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
         exit_code = self._run_detached(argv, workdir or self.workdir, env)
         duration_s = time.monotonic() - start
-        raw = self._api("read output", self._container.exec_run,
-                        ["head", "-c", str(output_limit_bytes), f"{_EXEC_DIR}/{name}"]).output or b""
+        read = ["head", "-c", str(output_limit_bytes), f"{_EXEC_DIR}/{name}"]
+        raw = self._exec_run("read output", read).output or b""
         output = strip_ansi(raw[:output_limit_bytes].decode("utf-8", "replace"))  # as a terminal shows it
         # Exit 137 is a SIGKILL: from `timeout` at the command's deadline, or from the kernel's OOM
         # killer when the command outgrew the sandbox's memory (the model's own doing, reported as
@@ -714,8 +737,7 @@ class DockerSandbox:
         n, folder = self._execs, f"{_EXEC_DIR}/sh"
         exit_code = self._run_detached(shell.driver_argv(n, command, timeout_s, self.workdir, folder), self.workdir)
         duration_s = time.monotonic() - start
-        raw = self._api("read output", self._container.exec_run,
-                        shell.read_argv(n, folder, OUTPUT_LIMIT_BYTES)).output or b""
+        raw = self._exec_run("read output", shell.read_argv(n, folder, OUTPUT_LIMIT_BYTES)).output or b""
         text = strip_ansi(raw.decode("utf-8", "replace"))
         try:
             result = shell.parse_result(text, duration_s, timeout_s, self.workdir, self._shell_started)
@@ -755,11 +777,13 @@ class DockerSandbox:
             How many processes were killed.
 
         Raises:
-            SandboxInfraError: the container is gone or the engine failed.
+            SandboxInfraError: the container is gone or the engine failed; ``exec_start_failed`` when the
+                runtime could not start the script (never reported as 0 killed: verification must not run
+                beside the agent's processes).
         """
         keep = " ".join(str(p) for p in self._main_pids())
         script = _STOP_SCRIPT.replace("KEEP", keep)
-        r = self._api("exec", self._container.exec_run, ["sh", "-c", script])
+        r = self._exec_run("stop agent processes", ["sh", "-c", script])
         try:
             return int((r.output or b"0").split()[-1])
         except (ValueError, IndexError):
