@@ -12,9 +12,15 @@ length (``max_tokens`` = its sampled length, ``ignore_eos``) and with (b)'s samp
 ``logprobs=0``, keeping ``C`` requests in flight, ``C`` = the most (b) ever had in flight. Nothing else
 runs: no sandboxes, no tools, no harness.
 
-Reported: generated tokens/s while busy for (a) and (b) and the ratio (b)/(a) (target >= 0.9), (b)'s idle
-fraction (wall time with no engine step running), the mean requests in flight during (b), and where an
-episode's wall time went (``episode_s`` split into sandbox acquire, engine queue, prefill, decode, the
+(a') **Bare engine, turn order kept**: the same replay, but an episode's request for turn k+1 is enqueued
+only when its turn k finishes (no tool time between them), every episode starting at once. (b)'s
+requests cannot all be in flight together: a turn waits for the one before it. (a) against (a') is what
+the episodes' own turn structure costs the engine; (b) against (a') is what our path adds to that
+(sandboxes, tools, verification, the harness and Python in the engine's process).
+
+Reported: generated tokens/s while busy for (a), (a') and (b), the ratios (b)/(a) (target >= 0.9) and
+(b)/(a'), (b)'s idle fraction (wall time with no engine step running), the mean requests in flight during
+(b), and where an episode's wall time went (``episode_s`` split into sandbox acquire, engine queue, prefill, decode, the
 rest of generation (tokenization, the gateway), tool execution, verification and harness/Python
 overhead, the remainder). The split is printed and drawn as a PNG (``--plot``).
 
@@ -45,6 +51,7 @@ class RequestRecorder:
     def __init__(self, engine):
         self.engine, self._generate = engine, engine.generate
         self.requests: list[tuple[object, int]] = []
+        self.trajectories: list[str] = []  # each recorded request's trajectory (episode) id
         self.in_flight = self.peak = 0
         self._lock = threading.Lock()
         engine.generate = self
@@ -61,6 +68,8 @@ class RequestRecorder:
                 self.in_flight -= len(requests)
         with self._lock:
             self.requests += [(r, len(s.token_ids)) for r, s in zip(requests, samples, strict=True)]
+            self.trajectories += list(trajectory_ids or [f"request-{len(self.requests) + i}"
+                                                         for i in range(len(requests))])
         return samples
 
     def detach(self) -> None:
@@ -68,18 +77,22 @@ class RequestRecorder:
         self.engine.generate = self._generate
 
 
-def bare_engine(llm, requests: list[tuple[object, int]], concurrency: int, threads: int = 0) -> dict:
+def bare_engine(llm, requests: list[tuple[object, int]], concurrency: int, threads: int = 0,
+                trajectories: list[str] | None = None) -> dict:
     """Drive vLLM's ``LLM`` directly with ``requests`` (``SampleRequest``, sampled length), ``concurrency`` in flight.
 
+    With ``trajectories`` (each request's episode id, requests in turn order within an episode), an
+    episode's next request is enqueued only when its previous one finishes, and ``concurrency`` is ignored.
     Runs in a thread of its own with the engine's CPU thread count (``threads``, 0: torch's default), as the
-    engine's own steps run. Returns generated tokens, seconds and tokens/s (the engine is busy the whole time).
+    engine's own steps run. Returns generated tokens, seconds, tokens/s (the engine is busy the whole time)
+    and the mean requests in flight.
     """
     out: dict = {}
 
     def go():
         if threads:
             own_thread_count(threads)
-        out.update(_replay(llm, requests, concurrency))
+        out.update(_replay(llm, requests, concurrency, trajectories))
 
     t = threading.Thread(target=go, name="bare-engine")
     t.start()
@@ -89,28 +102,48 @@ def bare_engine(llm, requests: list[tuple[object, int]], concurrency: int, threa
     return out
 
 
-def _replay(llm, requests: list[tuple[object, int]], concurrency: int) -> dict:
+def _replay(llm, requests: list[tuple[object, int]], concurrency: int,
+            trajectories: list[str] | None = None) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm.reset_prefix_cache()
-    todo = [(r, n) for r, n in requests if n > 0]
-    engine, in_flight, tokens, at = llm.llm_engine, 0, 0, 0
-    start = time.monotonic()
-    while at < len(todo) or in_flight:
-        while at < len(todo) and in_flight < concurrency:
-            r, n = todo[at]
-            at += 1
-            params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=n,
-                                    min_tokens=n, ignore_eos=True, seed=r.seed, logprobs=0, detokenize=True)
-            llm.enqueue([TokensPrompt(prompt_token_ids=r.prompt_ids)], [params], use_tqdm=False)
-            in_flight += 1
-        for out in engine.step():
+    queues: dict[str, list] = {}  # per episode, its requests in turn order; without episodes, one queue
+    for i, (r, n) in enumerate(requests):
+        if n > 0:
+            queues.setdefault(trajectories[i] if trajectories else "", []).append((r, n))
+    engine, tokens, owner, in_flight_s = llm.llm_engine, 0, {}, 0.0
+
+    def enqueue(queue: str) -> None:
+        r, n = queues[queue].pop(0)
+        params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=n,
+                                min_tokens=n, ignore_eos=True, seed=r.seed, logprobs=0, detokenize=True)
+        (request_id,) = llm.enqueue([TokensPrompt(prompt_token_ids=r.prompt_ids)], [params], use_tqdm=False)
+        owner[request_id] = queue
+
+    start = last = time.monotonic()
+    if trajectories:
+        for queue in list(queues):
+            enqueue(queue)
+    todo = "" if not trajectories else None
+    while owner or (todo is not None and queues.get(todo)):
+        while todo is not None and queues.get(todo) and len(owner) < concurrency:
+            enqueue(todo)
+        outputs = engine.step()
+        now = time.monotonic()
+        in_flight_s += len(owner) * (now - last)
+        last = now
+        for out in outputs:
             if out.finished:
-                in_flight -= 1
+                # enqueue returns the engine's internal id, the external one with a suffix: "32-1a2b3c4d"
+                (key,) = [k for k in owner if k == out.request_id or k.startswith(f"{out.request_id}-")]
+                queue = owner.pop(key)
                 tokens += len(out.outputs[0].token_ids)
+                if trajectories and queues[queue]:
+                    enqueue(queue)
     seconds = time.monotonic() - start
-    return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "mean_in_flight": in_flight_s / seconds}
 
 
 def plot(breakdown: dict[str, float], path: Path, title: str) -> None:
@@ -190,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bare engine: same {len(recorder.requests)} requests, {recorder.peak} in flight: "
               f"{bare['generated_tokens']} tokens in {bare['seconds']:.1f} s = {bare['tokens_per_s']:.1f} tokens/s",
               flush=True)
+        turns = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads,
+                            trajectories=recorder.trajectories)
+        print(f"bare engine, turn order kept ({len(set(recorder.trajectories))} episodes at once, each turn after "
+              f"the one before): {turns['tokens_per_s']:.1f} tokens/s, {turns['mean_in_flight']:.1f} requests in "
+              f"flight on average", flush=True)
         # the same replay beside one busy core: what sharing the 2 cores costs the engine (the machine's share)
         burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
@@ -202,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         run.close()
     ratio = ours["tokens_per_s_busy"] / bare["tokens_per_s"]
-    print(f"\nratio (ours while busy / bare): {ratio:.2f}  (target >= 0.9); against the bare engine beside one busy "
+    ratio_turns = ours["tokens_per_s_busy"] / turns["tokens_per_s"]
+    print(f"\nratio (ours while busy / bare, turn order kept): {ratio_turns:.2f}  (what our path adds to the episodes' "
+          f"own turn structure)")
+    print(f"ratio (ours while busy / bare): {ratio:.2f}  (target >= 0.9); against the bare engine beside one busy "
           f"core: {ours['tokens_per_s_busy'] / contended['tokens_per_s']:.2f}")
     mean = breakdown["episode_s"]
     print(f"mean episode {mean:.1f} s: " + ", ".join(
@@ -210,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"config": a.config, "continuous_batching": not a.batch_at_once, "ours": ours, "bare": bare,
               "bare_beside_busy_core": contended, "ratio_busy": ratio,
+              "bare_turn_order_kept": turns, "ratio_busy_vs_turn_order_kept": ratio_turns,
               "ratio_busy_vs_contended": ours["tokens_per_s_busy"] / contended["tokens_per_s"],
               "episode_breakdown_s": breakdown, "engine_threads": engine.threads,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
