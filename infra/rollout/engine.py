@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from infra.rollout.reload_warnings import expected_reload_warnings_dropped
+from infra.rollout.reload_warnings import expected_casts_summarized, expected_reload_warnings_dropped
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         from vllm import LLM
 
-        self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                       disable_log_stats=False)  # keeps the Prometheus counters (prefix-cache hits)
+        with expected_casts_summarized(f"torch.{dtype}"):
+            self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                           seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                           disable_log_stats=False)  # keeps the Prometheus counters (prefix-cache hits)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = dtype
         self.model_dir = model_dir
@@ -389,11 +390,12 @@ def own_thread_count(threads: int) -> None:
 def reload_repacked(worker, **reload_kwargs) -> None:
     """On a vLLM worker: ``reload_weights(**reload_kwargs)``, then :func:`_repack_tied_lm_head`.
 
-    vLLM's expected "Failed to load weights" warnings are dropped (``infra.rollout.reload_warnings``).
-    Every hot-load goes through here: the in-process engine (``collective_rpc``) and the servers'
-    worker extension (``infra.rollout.worker_ext``).
+    vLLM's expected "Failed to load weights" warnings are dropped, and its per-tensor casts to the serving
+    dtype summarized in one line (``infra.rollout.reload_warnings``). Every hot-load goes through here: the
+    in-process engine (``collective_rpc``) and the servers' worker extension (``infra.rollout.worker_ext``).
     """
-    with expected_reload_warnings_dropped(worker.model_config.hf_config.tie_word_embeddings):
+    with (expected_reload_warnings_dropped(worker.model_config.hf_config.tie_word_embeddings),
+          expected_casts_summarized(str(worker.model_config.dtype))):
         worker.reload_weights(**reload_kwargs)
         _repack_tied_lm_head(worker)
 

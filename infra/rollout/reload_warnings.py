@@ -1,4 +1,4 @@
-"""The two warnings every weight reload of a tied-embedding model prints, why they are expected, and a filter.
+"""The warnings every weight load prints that are expected, why, and filters for them.
 
 vLLM 0.32's layerwise reload (``vllm/model_executor/model_loader/reload/layerwise.py:266``, in
 ``finalize_layerwise_processing``) logs ``"<Layer>: Failed to load weights"`` for a layer that has
@@ -22,6 +22,14 @@ config, and sampled logprobs match HF transformers on the checkpoint within 1.3e
 repack both warnings are noise; without it the head's warning is real. The filter drops them only
 around our reload-and-repack, and the head's only when the model ties it (an untied head missing
 from a checkpoint keeps stale weights, and that warning must show).
+
+Casts to the serving precision. vLLM 0.32's ``AutoWeightsLoader._load_param`` (``models/utils.py:324``)
+warns once per tensor, "Attempted to load weight W with dtype torch.float32 into parameter with dtype
+torch.bfloat16", whenever a checkpoint's dtype is narrowed to the parameter's; it then casts
+(``default_weight_loader``: ``param.data.copy_``). Serving in bf16 from the fp32 trainer's checkpoints is
+a configured choice (``model.serving_dtype``; its mismatch is measured and corrected by TIS), so every
+load printed 122 of these lines (SmolLM2-135M; 3 loads, 366 lines, in the quickstart). :func:`expected_casts_summarized`
+drops exactly float32 -> the serving dtype and logs one line with the count; any other narrowing still warns.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ from contextlib import contextmanager
 
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 """The vLLM logger that prints the warnings (``init_logger(__name__)`` of ``reload/layerwise.py``)."""
+CAST_LOGGER = "vllm.model_executor.models.utils"
+"""The vLLM logger of ``AutoWeightsLoader``'s per-tensor dtype warning."""
+_CAST_MESSAGE = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+log = logging.getLogger(__name__)
 
 
 class ExpectedReloadWarnings(logging.Filter):
@@ -56,10 +68,48 @@ def expected_reload_warnings_dropped(tied_lm_head: bool) -> Iterator[None]:
     Wrap a ``reload_weights`` that is followed by :func:`~infra.rollout.engine._repack_tied_lm_head`
     (see the module docstring); ``tied_lm_head``: the model's ``tie_word_embeddings``.
     """
-    logger = logging.getLogger(LAYERWISE_LOGGER)
-    drop = ExpectedReloadWarnings(tied_lm_head)
+    with _filtered(LAYERWISE_LOGGER, ExpectedReloadWarnings(tied_lm_head)):
+        yield
+
+
+@contextmanager
+def _filtered(logger_name: str, drop: logging.Filter) -> Iterator[logging.Filter]:
+    """``drop`` on the logger ``logger_name`` within the block, removed after it (also on an exception)."""
+    logger = logging.getLogger(logger_name)
     logger.addFilter(drop)
     try:
-        yield
+        yield drop
     finally:
         logger.removeFilter(drop)
+
+
+class ExpectedCasts(logging.Filter):
+    """Drops (and counts) :data:`CAST_LOGGER`'s warning for a float32 tensor loaded into a ``param_dtype`` parameter."""
+
+    def __init__(self, param_dtype: str):
+        super().__init__()
+        self.param_dtype, self.dropped = param_dtype, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for exactly float32 -> ``param_dtype`` casts (as torch prints a dtype: ``torch.bfloat16``)."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        expected = (record.name == CAST_LOGGER and record.levelno == logging.WARNING and record.msg == _CAST_MESSAGE
+                    and len(args) == 3 and str(args[1]) == "torch.float32" and str(args[2]) == self.param_dtype)
+        self.dropped += expected
+        return not expected
+
+
+@contextmanager
+def expected_casts_summarized(param_dtype: str) -> Iterator[None]:
+    """Within the block, :class:`ExpectedCasts` sits on :data:`CAST_LOGGER` (this process only).
+
+    After it, one INFO line says how many float32 tensors were cast to ``param_dtype`` (``"torch.bfloat16"``).
+    """
+    drop = ExpectedCasts(param_dtype)
+    try:
+        with _filtered(CAST_LOGGER, drop):
+            yield
+    finally:
+        if drop.dropped:
+            log.info("vLLM cast %d float32 tensors to %s while loading (the serving precision)", drop.dropped,
+                     param_dtype.removeprefix("torch."))
