@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from infra.rollout.servers import free_port
+from infra.net import free_port
 
 _CHILD = """
 import json, sys, time

@@ -26,14 +26,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from infra.task_faults import strip_ansi
+
 __all__ = ["PARSERS", "ParseError", "parse_test_output"]
 
 
 class ParseError(ValueError):
     """The output holds no result section the parser recognises (upstream: ``FailureMode.PARSE_ERROR``)."""
 
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
 # pytest_parser.py: PytestTestStatus, SHORT_TEST_SUMMARY_INFO_PATTERN, FAILED_DESCRIPTION_DELIMETER
 _PYTEST_PASSED = frozenset({"PASSED", "XFAIL", "SKIPPED"})
@@ -134,4 +134,4 @@ def parse_test_output(parser_name: str, text: str) -> dict[str, bool]:
         KeyError: ``parser_name`` is not one of :data:`PARSERS` (the loader checks this first).
         ParseError: the output holds no result section for this parser.
     """
-    return PARSERS[parser_name](_ANSI.sub("", text))
+    return PARSERS[parser_name](strip_ansi(text))

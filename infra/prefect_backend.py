@@ -25,13 +25,14 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from infra.net import free_port
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 30
@@ -48,13 +49,6 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefect_cli() -> str:

@@ -33,7 +33,7 @@ class Browser:
     def __init__(self, width: int = 1400, height: int = 1800) -> None:
         from websockets.sync.client import connect
 
-        from infra.prefect_backend import free_port
+        from infra.net import free_port
 
         port = free_port()
         self.proc = subprocess.Popen([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu",

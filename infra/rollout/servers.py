@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from infra.net import free_port
 from infra.rollout.engine import Sample, SampleRequest
 from infra.rollout.router import NoLiveReplica, Router, RoutingPolicy
 
@@ -41,13 +41,6 @@ class EngineUnavailable(RuntimeError):
     """The replica serving a request could not be reached or died mid-request."""
 
     reason = "engine_unreachable"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:

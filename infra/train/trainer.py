@@ -13,12 +13,12 @@ divided by the step's token count, so DeepSpeed must not rescale it.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import numpy as np
 
+from infra.net import free_port
 from infra.train.grpo import (
     divergence_row_weights,
     group_advantages,
@@ -45,12 +45,6 @@ def _skip_shm_comm_op() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PER_TOKEN = ("token_ids", "loss_mask", "rollout_logprobs", "policy_versions")
@@ -131,7 +125,7 @@ class GRPOTrainer:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(key, value)
         if not dist.is_initialized():
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
             _skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")

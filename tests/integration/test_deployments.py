@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.prefect_backend import free_port
+from infra.net import free_port
 
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration

@@ -43,7 +43,8 @@ def checkout_server(tmp_path_factory, services_env):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from infra import prefect_server
-    from infra.prefect_backend import drain_workers, free_port
+    from infra.net import free_port
+    from infra.prefect_backend import drain_workers
 
     home = tmp_path_factory.mktemp("prefect-home")
     api_url = prefect_server.start(home, port=free_port(), home=home)  # its own database and profile

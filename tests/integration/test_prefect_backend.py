@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.prefect_backend import free_port, healthy
+from infra.net import free_port
+from infra.prefect_backend import healthy
 
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.integration
