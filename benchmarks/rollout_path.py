@@ -68,7 +68,7 @@ class RequestRecorder:
                 self.in_flight -= len(requests)
         with self._lock:
             self.requests += [(r, len(s.token_ids)) for r, s in zip(requests, samples, strict=True)]
-            self.trajectories += list(trajectory_ids or [f"request-{len(self.requests) + i}"
+            self.trajectories += list(trajectory_ids or [f"request-{len(self.trajectories) + i}"
                                                          for i in range(len(requests))])
         return samples
 
@@ -108,27 +108,27 @@ def _replay(llm, requests: list[tuple[object, int]], concurrency: int,
     from vllm.inputs import TokensPrompt
 
     llm.reset_prefix_cache()
-    queues: dict[str, list] = {}  # per episode, its requests in turn order; without episodes, one queue
+    # Without episodes: one queue, ``concurrency`` of it in flight. With them: a queue per episode, its
+    # requests in turn order, one in flight (the next turn is enqueued when the one before it finishes).
+    queues: dict[str, list] = {}
     for i, (r, n) in enumerate(requests):
         if n > 0:
             queues.setdefault(trajectories[i] if trajectories else "", []).append((r, n))
+    limit = 1 if trajectories else concurrency
     engine, tokens, owner, in_flight_s = llm.llm_engine, 0, {}, 0.0
 
-    def enqueue(queue: str) -> None:
-        r, n = queues[queue].pop(0)
-        params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=n,
-                                min_tokens=n, ignore_eos=True, seed=r.seed, logprobs=0, detokenize=True)
-        (request_id,) = llm.enqueue([TokensPrompt(prompt_token_ids=r.prompt_ids)], [params], use_tqdm=False)
-        owner[request_id] = queue
+    def refill(queue: str) -> None:
+        while queues[queue] and sum(q == queue for q in owner.values()) < limit:
+            r, n = queues[queue].pop(0)
+            params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=n,
+                                    min_tokens=n, ignore_eos=True, seed=r.seed, logprobs=0, detokenize=True)
+            (request_id,) = llm.enqueue([TokensPrompt(prompt_token_ids=r.prompt_ids)], [params], use_tqdm=False)
+            owner[request_id] = queue
 
     start = last = time.monotonic()
-    if trajectories:
-        for queue in list(queues):
-            enqueue(queue)
-    todo = "" if not trajectories else None
-    while owner or (todo is not None and queues.get(todo)):
-        while todo is not None and queues.get(todo) and len(owner) < concurrency:
-            enqueue(todo)
+    for queue in queues:
+        refill(queue)
+    while owner:
         outputs = engine.step()
         now = time.monotonic()
         in_flight_s += len(owner) * (now - last)
@@ -139,8 +139,7 @@ def _replay(llm, requests: list[tuple[object, int]], concurrency: int,
                 (key,) = [k for k in owner if k == out.request_id or k.startswith(f"{out.request_id}-")]
                 queue = owner.pop(key)
                 tokens += len(out.outputs[0].token_ids)
-                if trajectories and queues[queue]:
-                    enqueue(queue)
+                refill(queue)
     seconds = time.monotonic() - start
     return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "mean_in_flight": in_flight_s / seconds}

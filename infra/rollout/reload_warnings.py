@@ -73,12 +73,12 @@ def expected_reload_warnings_dropped(tied_lm_head: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _filtered(logger_name: str, drop: logging.Filter) -> Iterator[logging.Filter]:
+def _filtered(logger_name: str, drop: logging.Filter) -> Iterator[None]:
     """``drop`` on the logger ``logger_name`` within the block, removed after it (also on an exception)."""
     logger = logging.getLogger(logger_name)
     logger.addFilter(drop)
     try:
-        yield drop
+        yield
     finally:
         logger.removeFilter(drop)
 
