@@ -35,7 +35,7 @@ unless the file builds it otherwise), the others beside it (``infra.sandbox.comp
 
 Unknown keys are ignored, as Harbor ignores them. Not supported (load errors): a compose service
 not built from the task folder, multi-step tasks (``steps/``),
-``network_mode = "allowlist"``, ``[environment] workdir`` (a WORKDIR override the sandbox cannot
+``[environment] workdir`` (a WORKDIR override the sandbox cannot
 apply to the agent's commands).
 """
 
@@ -200,7 +200,7 @@ def load_harbor_task(folder: Path) -> Task:
         if key in env:
             disk_mb = _size_mb(env[key], f"{spec_path}: field 'environment.{key}'")
     seconds("environment", "build_timeout_sec", 600.0)
-    network = _network(env, spec_path)
+    network, egress_hosts = _network(env, spec_path)
     if "workdir" in env:
         raise TaskError(f"{spec_path}: field 'environment.workdir' is not supported (the sandbox runs commands in "
                         "the image's WORKDIR; set WORKDIR in environment/Dockerfile instead)")
@@ -226,7 +226,7 @@ def load_harbor_task(folder: Path) -> Task:
         dockerfile=dockerfile,
         solution=read_task_text(solution) if solution.is_file() else None,
         limits=SandboxLimits(cpus=float(cpus) if cpus is not None else None, memory_mb=memory_mb,
-                             network=network, disk_mb=disk_mb, services=services),
+                             network=network, disk_mb=disk_mb, services=services, egress_hosts=egress_hosts),
         setup_command=setup_command.strip(),
         solution_dir=solution.parent if solution.is_file() else None,
         verifier_env=_env_table(section("verifier").get("env", {}), f"{spec_path}: field 'verifier.env'"),
@@ -234,25 +234,32 @@ def load_harbor_task(folder: Path) -> Task:
     )
 
 
-def _network(env: dict, spec_path: Path) -> bool:
-    """Whether the sandbox gets network: ``network_mode`` (Harbor 0.26), else the older ``allow_internet``.
+def _network(env: dict, spec_path: Path) -> tuple[bool, tuple[str, ...] | None]:
+    """Whether the sandbox gets network, and its allowlist: ``network_mode`` (Harbor), else ``allow_internet``.
 
-    Default on, as Harbor's (``network_mode = "public"``); ``tasks.sandbox_network = "none"`` turns it off
-    for a whole run.
+    Default on, as Harbor's (``network_mode = "public"``); ``"allowlist"`` with ``allowed_hosts`` (host
+    patterns, ``*.example.com``) reaches only those hosts, enforced by the egress proxy (``infra.egress``);
+    ``tasks.sandbox_network = "none"`` turns it off for a whole run.
+
+    Returns:
+        (network, allowed hosts or None for any host).
 
     Raises:
-        TaskError: a value of the wrong type, or ``network_mode = "allowlist"`` (not supported).
+        TaskError: a value of the wrong type, an unknown mode, or an allowlist without ``allowed_hosts``.
     """
     mode = env.get("network_mode")
     if mode is not None:
+        if mode not in ("public", "no-network", "allowlist"):
+            raise TaskError(f"{spec_path}: field 'environment.network_mode' must be 'public', 'no-network' or "
+                            f"'allowlist', got {mode!r}")
         if mode == "allowlist":
-            raise TaskError(f"{spec_path}: field 'environment.network_mode' 'allowlist' is not supported "
-                            "(sandboxes have all network or none)")
-        if mode not in ("public", "no-network"):
-            raise TaskError(f"{spec_path}: field 'environment.network_mode' must be 'public' or 'no-network', "
-                            f"got {mode!r}")
-        return mode == "public"
+            hosts = env.get("allowed_hosts")
+            if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
+                raise TaskError(f"{spec_path}: field 'environment.allowed_hosts' must be a list of host names "
+                                "(network_mode = 'allowlist')")
+            return True, tuple(hosts)
+        return mode == "public", None
     allow_internet = env.get("allow_internet", True)
     if not isinstance(allow_internet, bool):
         raise TaskError(f"{spec_path}: field 'environment.allow_internet' must be true or false")
-    return allow_internet
+    return allow_internet, None

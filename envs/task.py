@@ -76,6 +76,8 @@ class SandboxLimits:
         disk_mb: disk limit for the sandbox's writable layer in MiB (enforced when the engine's
             storage driver supports it, see ``DockerBackend``).
         services: the task's other services (a multi-service compose file); None: one container.
+        egress_hosts: with ``network``, the only hosts the task may reach (Harbor's ``network_mode =
+            "allowlist"`` with ``allowed_hosts``; enforced by the egress proxy, ``infra.egress``); None: any.
     """
 
     cpus: float | None = None
@@ -83,10 +85,13 @@ class SandboxLimits:
     network: bool = False
     disk_mb: int | None = None
     services: ComposeServices | None = None
+    egress_hosts: tuple[str, ...] | None = None
 
     def kwargs(self) -> dict:
-        """As keywords of ``SandboxBackend.start`` / ``WarmPool.acquire`` (``services`` only when set)."""
+        """As keywords of ``SandboxBackend.start`` / ``WarmPool.acquire`` (``services``, ``egress_hosts`` when set)."""
         kw = {"cpus": self.cpus, "memory_mb": self.memory_mb, "network": self.network, "disk_mb": self.disk_mb}
+        if self.egress_hosts is not None:
+            kw["egress_hosts"] = self.egress_hosts
         return {**kw, "services": self.services} if self.services is not None else kw
 
 

@@ -114,6 +114,7 @@ def verify_terminal(sandbox: Sandbox, task: TerminalTask) -> Verdict:
     Raises:
         SandboxInfraError: the sandbox died while verifying (an infra failure, not a verdict).
     """
+    sandbox.phase = "verifier"  # what the tests fetch goes out under the verifier's egress session
     sandbox.stop_agent_processes()  # this format's rule: nothing the agent started runs beside its tests
     if found := tamper.check_toolchain(sandbox):
         return tamper.tampered(found)
@@ -218,6 +219,7 @@ def verify_run_tests(sandbox: Sandbox, task: TerminalBenchTask) -> Verdict:
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
+    sandbox.phase = "verifier"  # what the tests fetch goes out under the verifier's egress session
     if task.run_tests is None:
         raise ValueError(f"{task.task_id}: has no run-tests.sh (its verifier is verify_terminal)")
     workdir, test_env = None, {"TEST_DIR": TEST_DIR, **_pycache_env()}
@@ -299,6 +301,7 @@ def verify_harbor(sandbox: Sandbox, task: HarborTask) -> Verdict:
     Raises:
         SandboxInfraError: the sandbox died while verifying.
     """
+    sandbox.phase = "verifier"  # what the tests fetch goes out under the verifier's egress session
     if found := tamper.check_toolchain(sandbox):
         return tamper.tampered(found)
     sandbox.put_dir(task.tests_dir, TEST_DIR)
@@ -342,6 +345,7 @@ def verify_code(sandbox: Sandbox, task: Task, program: str) -> Verdict:
     Exit 0 passes, any other exit fails the tests; a run past the verifier timeout is a
     model failure too (the model's code looped), with reason ``program_timeout``.
     """
+    sandbox.phase = "verifier"  # what the tests fetch goes out under the verifier's egress session
     sandbox.exec("mkdir -p /work", timeout_s=5)
     sandbox.put_file(program.encode(), "/work/program.py")
     result = sandbox.exec("python3 /work/program.py", timeout_s=task.verifier_timeout_s, workdir="/work")

@@ -44,6 +44,48 @@ class ModelConfig(_Strict):
     """vLLM CPU KV-cache size in GiB."""
 
 
+class MirrorConfig(_Strict):
+    """A substitute source for URLs a cluster cannot reach (``infra.egress.mirrors``); every use is logged."""
+
+    kind: Literal["uv", "folder", "url"]
+    """``uv``: uv's installer (``https://astral.sh/uv/<v>/install.sh``) and release archives
+    (``github.com/astral-sh/uv/releases/download/<v>/...``) made from PyPI's ``uv`` wheel of that version;
+    ``folder``: URLs under ``prefix`` answered from the files under ``source``; ``url``: fetched from under
+    the base URL ``source`` instead."""
+    prefix: str = ""
+    """The URLs it serves (``https://huggingface.co/``); unused for ``uv``."""
+    source: str = ""
+    """``folder``: a local folder; ``url``: a base URL; ``uv``: the package index (default PyPI)."""
+
+
+class EgressConfig(_Strict):
+    """The sandboxes' and builds' way out: a real proxy with a policy, a cache and mirrors (``infra.egress``)."""
+
+    enabled: bool = True
+    """Sandboxes whose task has the network reach the outside only through the egress proxy, and network
+    builds go through it (policy checked, requests recorded per episode phase); false: they reach it directly."""
+    allow: list[str] = Field(default_factory=list)
+    """Host patterns (``pypi.org``, ``*.pythonhosted.org``) every allowlisted session may reach besides
+    its task's own hosts (Harbor's ``allowed_hosts``)."""
+    agent_allow: list[str] | None = None
+    """None: the agent has its task's access. A list: an agent whose task allows any host reaches only these
+    (and ``allow``), so it cannot fetch the upstream fix or the answers; its tests keep the task's access."""
+    cache: bool = True
+    """Cache GET responses of versioned artifacts (package files, installers, model files by revision)
+    content-addressed across episodes and runs (``~/.cache/agentrl/egress/cache``)."""
+    mirrors: list[MirrorConfig] = Field(default_factory=list)
+    """Declared substitutes for unreachable hosts, e.g. ``[{kind = "uv"}]`` for uv's installer."""
+
+    def settings(self):
+        """As ``infra.egress.proxy.EgressSettings``."""
+        from infra.egress.policy import Mirror
+        from infra.egress.proxy import EgressSettings
+
+        return EgressSettings(allow=tuple(self.allow),
+                              agent_allow=tuple(self.agent_allow) if self.agent_allow is not None else None,
+                              cache=self.cache, mirrors=tuple(Mirror(m.kind, m.prefix, m.source) for m in self.mirrors))
+
+
 class TaskSetConfig(_Strict):
     """Which tasks train and which are held out for evaluation."""
 
@@ -78,6 +120,8 @@ class TaskSetConfig(_Strict):
     extra_ca_bundle: str = ""
     """PEM file of extra CA certificates (a TLS-intercepting proxy's) trusted inside local base images and
     so in builds and sandboxes; empty: ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when set, else none."""
+    egress: EgressConfig = Field(default_factory=EgressConfig)
+    """The egress proxy: policy, cache and mirrors for sandboxes and builds with the network."""
     humaneval_train: int = Field(16, ge=0, le=164)
     """Number of HumanEval problems used for training (the first N)."""
     humaneval_eval: int = Field(8, ge=0, le=164)

@@ -27,6 +27,7 @@ from envs.task import Outcome, Task, TaskError
 from envs.taskset import load_taskset
 from envs.verify import Verdict
 from infra.config import TaskSetConfig
+from infra.egress.policy import record_lines
 from infra.layout import resolve_path
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend
@@ -155,7 +156,9 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
     def run(with_solution: bool) -> Verdict:
         box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **task.limits.kwargs())
         try:
-            return task.reference(box, with_solution)
+            verdict = task.reference(box, with_solution)
+            egress = record_lines(box.egress_record())  # what went out, denials and mirrors named
+            return replace(verdict, log=verdict.log + "".join(f"\n{line}" for line in egress)) if egress else verdict
         finally:
             box.close()
 

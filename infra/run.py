@@ -156,10 +156,15 @@ class Run:
             from infra.sandbox.docker_backend import DockerBackend
 
             t = self.config.tasks
+            egress = None
+            if t.egress.enabled:
+                from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy
+
+                egress = EgressProxy(EGRESS_GATEWAY, t.egress.settings())  # started on its first session
             self._backend = DockerBackend(
                 mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
                 nano_cpus=int(t.default_cpus * 1e9) or None,
-                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None)
+                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress)
             reaped = self._backend.reap_orphans()
             if reaped:
                 log.warning("removed %d sandbox containers left by crashed runs", reaped)
@@ -319,13 +324,15 @@ class Run:
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close what was started: collector, engine (servers stopped), trainer, idle warm sandboxes. Idempotent."""
+        """Close what was started: collector, engine, trainer, idle warm sandboxes, egress proxy. Idempotent."""
         atexit.unregister(self.close)
         collector, self._collector = self._collector, None
         engine, self._engine = self._engine, None
         trainer, self._trainer = self._trainer, None
         pool, self._pool = self._pool, None
-        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer), ("warm pool", pool)):
+        egress = self._backend.egress if self._backend is not None else None
+        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer), ("warm pool", pool),
+                            ("egress proxy", egress)):
             if thing is None:
                 continue
             try:

@@ -519,6 +519,41 @@ def _ensure_internet_network(client: docker.DockerClient) -> bool:
     return True
 
 
+def _ensure_egress_network(client: docker.DockerClient) -> bool:
+    """The ``agentrl-egress`` network: no route out, only the egress proxy's ports on its bridge; idempotent.
+
+    An ``internal`` Docker bridge (its containers get no default route) whose bridge address
+    (``infra.egress.proxy.EGRESS_GATEWAY``) the egress proxy listens on. INPUT from its subnet is
+    accepted only to the proxy's port range on that address; nothing is forwarded from or to it, so a
+    sandbox on it reaches the outside only through the proxy, and no other port of the host.
+
+    Returns:
+        False (with a warning) when iptables is unavailable: sandboxes behind the proxy then fail to start.
+    """
+    import docker.errors
+    import docker.types
+
+    from infra.egress.proxy import EGRESS_BRIDGE, EGRESS_GATEWAY, EGRESS_NETWORK, EGRESS_SUBNET, PORTS
+
+    try:
+        client.networks.get(EGRESS_NETWORK)
+    except docker.errors.NotFound:
+        client.networks.create(EGRESS_NETWORK, driver="bridge", internal=True, ipam=docker.types.IPAMConfig(
+            pool_configs=[docker.types.IPAMPool(subnet=EGRESS_SUBNET, gateway=EGRESS_GATEWAY)]),
+            options={"com.docker.network.bridge.name": EGRESS_BRIDGE}, labels={"agentrl": "1"})
+    try:
+        _iptables_once("filter", "INPUT", ["-s", EGRESS_SUBNET, "-j", "DROP"], insert=True)
+        _iptables_once("filter", "INPUT", ["-s", EGRESS_SUBNET, "-d", EGRESS_GATEWAY, "-p", "tcp", "--dport",
+                                           f"{PORTS.start}:{PORTS.stop - 1}", "-j", "ACCEPT"], insert=True)
+        _iptables_once("filter", "FORWARD", ["-i", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
+        _iptables_once("filter", "FORWARD", ["-o", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
+    except (subprocess.CalledProcessError, OSError) as e:
+        log.warning("sandboxes behind the egress proxy get no network: iptables failed (%s %s)", e,
+                    (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip())
+        return False
+    return True
+
+
 # ---------------------------------------------------------------- base image
 
 
@@ -585,9 +620,14 @@ def _public_sources(rootfs: Path) -> None:
 
 
 def _extra_ca_bundle() -> Path | None:
-    """The machine's extra CA bundle (``$PIP_CERT`` or ``$SSL_CERT_FILE``, as ``DockerBackend``), if it exists."""
-    found = [os.environ.get(k, "") for k in ("PIP_CERT", "SSL_CERT_FILE")]
-    return next((Path(f) for f in found if f and Path(f).is_file()), None)
+    """The CAs images trust besides the distro's: the machine's bundle plus the egress proxy's CA.
+
+    ``infra.egress.ca.ensure_bundle`` (as ``DockerBackend``): the machine's ``$PIP_CERT``/``$SSL_CERT_FILE``
+    (a TLS proxy's CA), and the egress proxy's, so builds behind the egress proxy verify its certificates.
+    """
+    from infra.egress.ca import ensure_bundle
+
+    return ensure_bundle()
 
 
 def _trust_extra_cas(rootfs: Path, ca_bundle: Path | None) -> list[str]:
@@ -937,6 +977,7 @@ def up(state_dir: str | os.PathLike[str] | None = None, s3_port: int | None = No
     try:
         _ensure_base_image(client, state)
         _ensure_internet_network(client)
+        _ensure_egress_network(client)
     finally:
         client.close()
     _ensure_compose()

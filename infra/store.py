@@ -99,10 +99,35 @@ class Trajectory:
     engine_queue_s: float = _column(pa.float64(), added=float)
     prefill_s: float = _column(pa.float64(), added=float)
     decode_s: float = _column(pa.float64(), added=float)
+    # What the sandbox sent out through the egress proxy (``infra.egress``), by phase: the agent's commands
+    # (and what it left running), then the task's tests. Requests (denied ones included), response bytes,
+    # hosts asked for, hosts the policy denied. Zero and empty without the proxy or the network.
+    egress_agent_requests: int = _column(pa.int32(), added=int)
+    egress_agent_bytes: int = _column(pa.int64(), added=int)
+    egress_agent_hosts: list[str] = _column(pa.list_(pa.string()), added=list)
+    egress_agent_denied: list[str] = _column(pa.list_(pa.string()), added=list)
+    egress_verifier_requests: int = _column(pa.int32(), added=int)
+    egress_verifier_bytes: int = _column(pa.int64(), added=int)
+    egress_verifier_hosts: list[str] = _column(pa.list_(pa.string()), added=list)
+    egress_verifier_denied: list[str] = _column(pa.list_(pa.string()), added=list)
 
     def row(self) -> dict:
         """As a row dict (``write_step`` input; what ``read_step(...).to_pylist()`` gives back)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def egress_columns(record: dict[str, dict]) -> dict:
+    """The ``egress_*`` columns of a row from a sandbox's egress record.
+
+    ``record``: ``Sandbox.egress_record()``, phase -> ``infra.egress.policy.EgressSummary`` fields.
+    """
+    out: dict = {}
+    for phase in ("agent", "verifier"):
+        r = record.get(phase, {})
+        out.update({f"egress_{phase}_requests": r.get("requests", 0), f"egress_{phase}_bytes": r.get("bytes", 0),
+                    f"egress_{phase}_hosts": list(r.get("hosts", [])),
+                    f"egress_{phase}_denied": list(r.get("denied", []))})
+    return out
 
 
 TRAJECTORY_SCHEMA = pa.schema([(f.name, f.metadata["arrow"]) for f in fields(Trajectory)])

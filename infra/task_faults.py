@@ -55,6 +55,8 @@ _HOST_PATTERNS = (
     r"(?:Name or service not known|Temporary failure in name resolution)'? thrown while requesting \w+ "
     r"https?://([A-Za-z0-9.-]+)",  # huggingface_hub 1.x (httpx)
     r"solution could not reach host: ([A-Za-z0-9.-]+)",  # envs.task.TerminalTask.reference
+    r"egress denied by policy: ([A-Za-z0-9.-]+)",  # infra.egress: the session's policy refused the host
+    r"egress failed upstream: ([A-Za-z0-9.-]+)",  # infra.egress: the host refused or could not be reached
 )
 _HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
 # Hosts that are reachable here: a message naming one is not an unreachable-host failure.
@@ -144,6 +146,10 @@ def classify(reason: str, log: str, validation: str = "", build_network: bool = 
         if build_network and _LOOKUP_FAILED.search(text):
             return "unreachable_host", f"needs {_UNNAMED}{at}"
         return "build_failed", f"the Dockerfile failed{at}; see the build log"
+    denied = re.findall(r"egress denied by policy: ([A-Za-z0-9.-]+)", text)
+    if denied and reason.startswith("validation failed"):
+        return "unreachable_host", (f"the egress policy denies {', '.join(dict.fromkeys(denied))}: allow it with "
+                                    "tasks.egress.allow (or the task's allowed_hosts)")
     if "no reference solution" in reason:
         return "no_solution", "add solution.sh (Terminal-Bench) or solution/solve.sh (Harbor)"
     if "do-nothing agent passes" in reason:

@@ -198,6 +198,12 @@ class InMemorySandbox:
     shell: list[tuple[str, float]] = field(default_factory=list)  # run_in_shell's (command, timeout_s)
     stop_calls: int = 0
     closed: bool = False
+    phase: str = "agent"
+    egress: dict[str, dict] = field(default_factory=dict)  # what egress_record() reports
+
+    def egress_record(self) -> dict[str, dict]:
+        """The scripted egress record (``egress``)."""
+        return self.egress
 
     def exec(self, command: str, timeout_s: float, workdir: str | None = None,
              env: dict[str, str] | None = None, output_limit_bytes: int = 16_384) -> ExecResult:
@@ -288,7 +294,8 @@ class InMemoryBackend:
         return len(self.sandboxes)
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None, memory_mb: int | None = None,
-              network: bool = False, disk_mb: int | None = None) -> InMemorySandbox:
+              network: bool = False, disk_mb: int | None = None,
+              egress_hosts: tuple[str, ...] | None = None) -> InMemorySandbox:
         """A new in-memory sandbox, or the next scripted start failure."""
         with self._lock:
             self.start_attempts += 1

@@ -42,7 +42,7 @@ from infra.rollout.scheduler import AsyncCollector, EpisodeJob
 from infra.rollout.servers import EngineUnavailable
 from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
-from infra.store import Trajectory
+from infra.store import Trajectory, egress_columns
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class Episode:
     tool_s: float = 0.0
     verify_s: float = 0.0
     segment_starts: list[int] = field(default_factory=lambda: [0])
+    egress: dict[str, dict] = field(default_factory=dict)  # the sandbox's egress record by phase, at release
 
     @property
     def done(self) -> bool:
@@ -468,6 +469,7 @@ class Collector:
 
     def _release(self, e: Episode) -> None:
         if e.sandbox is not None:
+            e.egress = e.sandbox.egress_record()
             e.sandbox.close()
             e.sandbox = None
 
@@ -519,7 +521,7 @@ class Collector:
             verify_s=e.verify_s, engine_replica=e.engine_replica or self.engine.replica, sandbox_id=e.sandbox_id,
             sandbox_warm=e.sandbox_warm, segment_starts=list(e.segment_starts),
             episode_s=time.monotonic() - e.created_s, engine_queue_s=e.engine_queue_s,
-            prefill_s=e.prefill_s, decode_s=e.decode_s,
+            prefill_s=e.prefill_s, decode_s=e.decode_s, **egress_columns(e.egress),
         ).row()
 
 

@@ -54,6 +54,12 @@ class Sandbox(Protocol):
     sandbox_id: str
     workdir: str
     """The image's ``WORKDIR`` (``/`` when it sets none), where commands run unless told otherwise."""
+    phase: str
+    """``agent`` until verification sets ``verifier`` (``envs.verify``): whose egress session ``exec`` uses."""
+
+    def egress_record(self) -> dict[str, dict]:
+        """What each phase sent out through the egress proxy (``EgressSummary`` fields by phase); {} when none."""
+        ...
 
     def exec(self, command: str, timeout_s: float, workdir: str | None = None,
              env: dict[str, str] | None = None, output_limit_bytes: int = 16_384) -> ExecResult:
@@ -111,10 +117,11 @@ class SandboxBackend(Protocol):
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
               memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None,
-              services: ComposeServices | None = None) -> Sandbox:
+              services: ComposeServices | None = None, egress_hosts: tuple[str, ...] | None = None) -> Sandbox:
         """Start a sandbox from ``image`` with the task's limits; raises SandboxInfraError on failure.
 
-        ``services``: a multi-service task's other services, started beside it.
+        ``services``: a multi-service task's other services, started beside it. ``egress_hosts``: with
+        ``network``, the only hosts it may reach (None: any).
         """
         ...
 

@@ -36,6 +36,7 @@ import socket
 import tarfile
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,12 +44,15 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from infra.egress.proxy import CONTAINER_CA, EGRESS_NETWORK
 from infra.sandbox import shell
 from infra.sandbox.base import ExecResult, SandboxInfraError
 from infra.task_faults import strip_ansi
 
 if TYPE_CHECKING:
     from envs.task import ComposeServices
+    from infra.egress.policy import Session
+    from infra.egress.proxy import EgressProxy
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,21 @@ echo $t"""
 _NO_TMUX_WARNED: set[str] = set()  # images already logged as having no tmux (run_in_shell falls back to exec)
 # Files of a Terminal-Bench task folder that never enter the image build context.
 _HIDDEN = ("tests", "solution.sh", "solution.yaml", "task.yaml", "run-tests.sh")
+
+
+def _tar_file(path: str, data: bytes, mode: int = 0o644) -> bytes:
+    """A tar archive holding one file at relative ``path`` (parent folders included), for ``put_archive``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            folder = tarfile.TarInfo("/".join(parts[:i]))
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
+        info = tarfile.TarInfo(path)
+        info.size, info.mode = len(data), mode
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE | re.MULTILINE)
@@ -199,8 +218,13 @@ class DockerBackend:
 
     def __init__(self, client: docker.DockerClient | None = None, mem_limit: str | None = None,
                  nano_cpus: int | None = None, pids_limit: int = 1024, tmp_size_mb: int = 256,
-                 disk_mb: int = 1024, state_dir: Path | None = None, ca_bundle: Path | None = None):
+                 disk_mb: int = 1024, state_dir: Path | None = None, ca_bundle: Path | None = None,
+                 egress: EgressProxy | None = None):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
+
+        ``egress``: the egress proxy (``infra.egress``): sandboxes with the network join the
+        ``agentrl-egress`` network and reach the outside only through it, and network builds go
+        through it; None: they reach the outside directly (``agentrl-internet``, the host network).
 
         ``mem_limit`` (``"2g"``) and ``nano_cpus`` are the limits of sandboxes whose task sets none
         (None: no limit, as the Terminal-Bench and Harbor harnesses); ``pids_limit`` always applies.
@@ -232,9 +256,11 @@ class DockerBackend:
             state_dir = state_path()
         self.state_dir = Path(state_dir)
         if ca_bundle is None:
-            found = [os.environ.get(k, "") for k in ("PIP_CERT", "SSL_CERT_FILE")]
-            ca_bundle = next((Path(f) for f in found if f and Path(f).is_file()), None)
+            from infra.egress.ca import ensure_bundle
+
+            ca_bundle = ensure_bundle()  # the machine's CAs and the egress proxy's
         self.ca_bundle = ca_bundle
+        self.egress = egress
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
@@ -277,10 +303,25 @@ class DockerBackend:
             return tag, False, note
         except docker.errors.ImageNotFound:
             pass
-        _, log = self.client.images.build(fileobj=io.BytesIO(raw), custom_context=True, tag=tag,
-                                          dockerfile=dockerfile, network_mode="host" if network else "none",
-                                          rm=True, forcerm=True, labels={LABEL: "1"})
-        return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log))
+        session = self.egress.session("build", name, None) if network and self.egress is not None else None
+        # Docker's predefined proxy build arguments: RUN steps see them, the image and its cache key do not
+        buildargs = {k: v for k, v in self.egress.env(session).items() if "proxy" in k.lower()} if session else None
+        try:
+            _, log = self.client.images.build(fileobj=io.BytesIO(raw), custom_context=True, tag=tag,
+                                              dockerfile=dockerfile, network_mode="host" if network else "none",
+                                              rm=True, forcerm=True, labels={LABEL: "1"}, buildargs=buildargs)
+        except docker.errors.BuildError as e:
+            if session is not None:
+                e.build_log = [*e.build_log, *({"stream": f"{line}\n"} for line in self._egress_lines(session))]
+            raise
+        egress = "".join(f"{line}\n" for line in self._egress_lines(session)) if session else ""
+        return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log)) + egress
+
+    def _egress_lines(self, session: Session) -> list[str]:
+        """The egress record of a build, as log lines (empty when it sent nothing out)."""
+        assert self.egress is not None
+        summary = self.egress.summary(session)
+        return summary.lines() if summary.requests else []
 
     def _local_equivalents(self, dockerfile: str, mapping: dict[str, str], local: set[str],
                            fallback: str | None) -> dict[str, str]:
@@ -434,7 +475,7 @@ class DockerBackend:
 
     def start(self, image: str, labels: dict[str, str], cpus: float | None = None,
               memory_mb: int | None = None, network: bool = False, disk_mb: int | None = None,
-              services: ComposeServices | None = None) -> DockerSandbox:
+              services: ComposeServices | None = None, egress_hosts: tuple[str, ...] | None = None) -> DockerSandbox:
         """Start an isolated container running ``sleep infinity`` (work dir: the image's WORKDIR).
 
         Args:
@@ -442,12 +483,17 @@ class DockerBackend:
             labels: extra labels (``agentrl=1`` and ``agentrl.owner`` are always added).
             cpus: CPU limit (None: the backend's default).
             memory_mb: memory limit in MiB, swap included (None: the backend's default).
-            network: join ``agentrl-internet`` (tasks that opt in: the outside, not the host); else no network.
+            network: the task has the network: with an egress proxy, the ``agentrl-egress`` network
+                (the proxy only: its proxy variables and CA bundle (:data:`CONTAINER_CA`) are set, its
+                agent phase under a session of its own, see ``DockerSandbox.phase``); without one,
+                ``agentrl-internet`` (the outside, not the host); else no network.
             disk_mb: limit on what the sandbox writes (None: the backend's default), enforced when
                 ``disk_quota`` (a btrfs engine); else only ``/tmp`` is bounded.
             services: a multi-service task's compose project (``infra.sandbox.compose``): ``image``
                 runs as its agent's service, the others beside it (built by :meth:`build_services`);
-                the sandbox's ``close`` takes the project down. No disk limit then.
+                the sandbox's ``close`` takes the project down. No disk limit then, and no egress proxy
+                (its services keep their compose networks).
+            egress_hosts: with the network and an egress proxy: the hosts the task allows (None: any).
 
         Raises:
             SandboxInfraError: reason ``sandbox_start_failed``.
@@ -457,10 +503,25 @@ class DockerBackend:
         start_id = uuid.uuid4().hex  # finds the container if the engine created it but the reply was lost
         if services is not None:
             return self._start_compose(image, labels, cpus, mem, network, services, start_id)
+        sessions: dict[str, Session] = {}
+        environment = None
+        network_mode = "none"
+        if network and self.egress is not None:
+            label = labels.get("agentrl.task") or labels.get("agentrl.validate") or image
+            try:
+                sessions = {p: self.egress.session(p, label, egress_hosts) for p in ("agent", "verifier")}
+            except RuntimeError as e:
+                raise SandboxInfraError("sandbox_start_failed", f"{image}: egress proxy: {e}") from e
+            environment, network_mode = self.egress.env(sessions["agent"]), EGRESS_NETWORK
+        elif network and egress_hosts is not None:
+            raise SandboxInfraError("sandbox_start_failed", f"{image}: the task allows only {', '.join(egress_hosts)}, "
+                                    "which needs the egress proxy (tasks.egress.enabled = true)")
+        elif network:
+            network_mode = INTERNET_NETWORK
         try:
             # create, then start: a start that fails (engine going down) must not leak the created container
             container = self.client.containers.create(
-                image, ["sleep", "infinity"], network_mode=INTERNET_NETWORK if network else "none", init=True,
+                image, ["sleep", "infinity"], network_mode=network_mode, init=True, environment=environment,
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus or None,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], cap_add=list(AGENT_CAPABILITIES),
@@ -469,6 +530,8 @@ class DockerBackend:
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels},
             )
+            if sessions:
+                container.put_archive("/", _tar_file(CONTAINER_CA.lstrip("/"), self.egress.ca_bundle().read_bytes()))
             container.start()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
             if container is not None:
@@ -481,6 +544,7 @@ class DockerBackend:
             raise SandboxInfraError("sandbox_start_failed", f"{image}: {e}{hint}") from e
         box = DockerSandbox(container, self._leftovers)
         box.workdir = (container.attrs.get("Config") or {}).get("WorkingDir") or "/"
+        box.egress, box.egress_sessions = self.egress, sessions
         try:
             box._main_pids()  # before any agent command: the processes verification keeps alive
         except SandboxInfraError:
@@ -587,6 +651,17 @@ class DockerSandbox:
         self.workdir = "/"  # the image's WORKDIR, set by ``DockerBackend.start``
         self._shell_started = False  # run_in_shell has had a session (a later new one is reported)
         self._no_tmux = False  # the image has no tmux: run_in_shell is exec
+        self.egress: EgressProxy | None = None  # set by ``DockerBackend.start`` for a sandbox behind the proxy
+        self.egress_sessions: dict[str, Session] = {}  # phase -> its proxy session
+        self.phase = "agent"
+        """``agent`` or ``verifier``: whose proxy session ``exec`` uses (the episode runner and validation set
+        ``verifier`` before the tests run; the agent's shell and what it left running keep the agent's)."""
+
+    def egress_record(self) -> dict[str, dict]:
+        """What each phase sent out through the egress proxy (``EgressSummary`` fields by phase); {} without one."""
+        if self.egress is None:
+            return {}
+        return {p: asdict(self.egress.summary(s)) for p, s in self.egress_sessions.items()}
 
     def alive(self) -> bool:
         """The container is still running (one inspect).
@@ -682,6 +757,8 @@ class DockerSandbox:
         self._execs += 1
         name = f"{self._execs}.out"
         argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
+        if self.phase != "agent" and self.phase in self.egress_sessions and self.egress is not None:
+            env = {**self.egress.env(self.egress_sessions[self.phase]), **(env or {})}
         exit_code = self._run_detached(argv, workdir or self.workdir, env)
         duration_s = time.monotonic() - start
         read = ["head", "-c", str(output_limit_bytes), f"{_EXEC_DIR}/{name}"]

@@ -52,18 +52,19 @@ class WarmPool:
 
     @staticmethod
     def _key(image: str, cpus: float | None, memory_mb: int | None, network: bool,
-             disk_mb: int | None = None) -> PoolKey:
-        return (image, cpus, memory_mb, network, disk_mb)
+             disk_mb: int | None = None, egress_hosts: tuple[str, ...] | None = None) -> PoolKey:
+        return (image, cpus, memory_mb, network, disk_mb, egress_hosts)
 
     def ensure(self, image: str, n: int, cpus: float | None = None, memory_mb: int | None = None,
-               network: bool = False, disk_mb: int | None = None, services=None) -> None:
+               network: bool = False, disk_mb: int | None = None, services=None,
+               egress_hosts: tuple[str, ...] | None = None) -> None:
         """Declare demand: keep ``n`` (capped at ``max_idle_per_image``) ready sandboxes of this kind.
 
         A multi-service task's (``services``) is not kept warm: each start is a compose project.
         """
         if services is not None:
             return
-        key = self._key(image, cpus, memory_mb, network, disk_mb)
+        key = self._key(image, cpus, memory_mb, network, disk_mb, egress_hosts)
         with self._lock:
             self._target[key] = min(n, self.max_idle)
         self._refill(key)
@@ -78,10 +79,10 @@ class WarmPool:
             self._starter.submit(self._start_one, key)
 
     def _start_one(self, key: PoolKey) -> None:
-        image, cpus, memory_mb, network, disk_mb = key
+        image, cpus, memory_mb, network, disk_mb, egress_hosts = key
         try:
             box = self.backend.start(image, {"agentrl.pool": "warm"}, cpus=cpus, memory_mb=memory_mb,
-                                     network=network, disk_mb=disk_mb)
+                                     network=network, disk_mb=disk_mb, egress_hosts=egress_hosts)
         except SandboxInfraError:
             with self._lock:
                 self._pending[key] -= 1
@@ -96,7 +97,8 @@ class WarmPool:
 
     def acquire(self, image: str, labels: dict[str, str] | None = None, cpus: float | None = None,
                 memory_mb: int | None = None, network: bool = False,
-                disk_mb: int | None = None, services=None) -> tuple[DockerSandbox, bool]:
+                disk_mb: int | None = None, services=None,
+                egress_hosts: tuple[str, ...] | None = None) -> tuple[DockerSandbox, bool]:
         """A started sandbox of ``image`` with these limits (a multi-service task's: always a cold start).
 
         Returns:
@@ -111,7 +113,7 @@ class WarmPool:
             with self._lock:
                 self.stats["cold"] += 1
             return box, False
-        key = self._key(image, cpus, memory_mb, network, disk_mb)
+        key = self._key(image, cpus, memory_mb, network, disk_mb, egress_hosts)
         box = None
         while True:
             with self._lock:
@@ -129,7 +131,7 @@ class WarmPool:
         warm = box is not None
         if box is None:
             box = self.backend.start(image, {"agentrl.pool": "cold", **(labels or {})}, cpus=cpus,
-                                     memory_mb=memory_mb, network=network, disk_mb=disk_mb)
+                                     memory_mb=memory_mb, network=network, disk_mb=disk_mb, egress_hosts=egress_hosts)
         with self._lock:
             self.stats["warm" if warm else "cold"] += 1
         self._refill(key)

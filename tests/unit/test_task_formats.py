@@ -375,9 +375,19 @@ def test_harbor_network_fields(tmp_path, toml, network):
     assert load_harbor_task(harbor_folder(tmp_path, toml)).limits.network is network
 
 
+def test_harbor_allowlist_is_the_sandboxs_egress_hosts(tmp_path):
+    toml = '[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org", "*.pythonhosted.org"]\n'
+    limits = load_harbor_task(harbor_folder(tmp_path, toml)).limits
+    assert limits.network is True
+    assert limits.egress_hosts == ("pypi.org", "*.pythonhosted.org")
+    assert limits.kwargs()["egress_hosts"] == ("pypi.org", "*.pythonhosted.org")
+    public = load_harbor_task(harbor_folder(tmp_path / "p", '[environment]\nnetwork_mode = "public"\n')).limits
+    assert public.egress_hosts is None and "egress_hosts" not in public.kwargs()
+
+
 @pytest.mark.parametrize(("toml", "message"), [
-    ('[environment]\nnetwork_mode = "allowlist"\n', "field 'environment.network_mode' 'allowlist' is not supported"),
-    ('[environment]\nnetwork_mode = "lan"\n', "field 'environment.network_mode' must be 'public' or 'no-network'"),
+    ('[environment]\nnetwork_mode = "allowlist"\n', "field 'environment.allowed_hosts' must be a list of host names"),
+    ('[environment]\nnetwork_mode = "lan"\n', "field 'environment.network_mode' must be 'public', 'no-network' or"),
     ('[environment]\nworkdir = "/srv"\n', "field 'environment.workdir' is not supported"),
     ("[verifier]\nenv = { N = 1 }\n", "field 'verifier.env' must be a table of strings"),
     ('[solution]\nenv = { K = "${AGENTRL_TEST_UNSET}" }\n',
