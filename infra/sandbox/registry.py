@@ -200,4 +200,4 @@ def pull(client: docker.DockerClient, image: str, mirrors: dict[str, str] | None
             client.images.get(reference).tag(*_split_tag(image))
         status = lines[-1] if lines else "pulled"
         return f"{image} pulled from {reference} ({status})"
-    raise RegistryPullError(image, "; ".join(errors))
+    raise RegistryPullError(image, "; ".join(errors) if len(errors) > 1 else errors[0].split(": ", 1)[1])
