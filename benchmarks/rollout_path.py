@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tasks, split, _ = load_run_tasks(config.tasks)
         t0 = time.monotonic()
-        entries, _ = build_catalog(run.backend, tasks, split, validate=False, base_images=config.tasks.base_images,
-                                   build_network=config.tasks.build_network)
+        ts = config.tasks
+        entries, _ = build_catalog(run.backend, tasks, split, validate=False, base_images=ts.base_images,
+                                   fallback_base=ts.fallback_base_image or None, build_network=ts.build_network,
+                                   registry_mirrors=ts.registry_mirrors)
         images = {e.task_id: (e.image, e.image_digest) for e in entries if e.usable}
         print(f"{len(images)} task images ready in {time.monotonic() - t0:.0f} s", flush=True)
         r, d = config.rollout, config.difficulty

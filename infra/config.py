@@ -11,11 +11,15 @@ This module imports neither torch nor vLLM, so parsing a config stays fast.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_REGISTRY = re.compile(r"^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*(?::\d+)?$")
+_MIRROR = re.compile(r"^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*(?::\d+)?(?:/[a-z0-9._-]+)*/?$")
 
 
 class _Strict(BaseModel):
@@ -103,9 +107,16 @@ class TaskSetConfig(_Strict):
     before it is used; failures make the task unusable. Verdicts are cached in S3 by content hash."""
     base_images: dict[str, str] = Field(default_factory=dict)
     """``FROM`` image pattern (glob) -> local image, for task Dockerfiles naming registry images."""
-    fallback_base_image: str = "agentrl-base:bookworm"
-    """Image used for a ``FROM`` that is neither present locally, nor in ``base_images``, nor has a local
-    equivalent (``infra.base_images``); empty: fail the build."""
+    registry_mirrors: dict[str, str] = Field(default_factory=dict)
+    """Registry (``docker.io`` for Docker Hub names, ``ghcr.io``, ... or ``*`` for any) -> mirror
+    ``host[:port][/prefix]`` that a registry base image is pulled from first, its repository path appended
+    (``{"docker.io" = "localhost:5000"}``: ``python:3.12`` from ``localhost:5000/library/python:3.12``);
+    then the engine's own registry settings (``registry-mirrors`` in ``daemon.json``) apply."""
+    fallback_base_image: str = ""
+    """Image a ``FROM`` is rewritten to when it is neither present locally, nor in ``base_images``, nor has a
+    local equivalent (``infra.base_images``), nor can be pulled; an explicit choice (e.g.
+    ``agentrl-base:bookworm``), noted in the build log. Empty (the default): no fallback, the build fails
+    with cause ``registry_image`` naming the image and how to supply it."""
     build_network: bool = True
     """Image builds reach what this machine reaches, as ``docker build`` does; false: offline builds (a
     build that downloads then fails with a message naming the step and this setting)."""
@@ -126,6 +137,14 @@ class TaskSetConfig(_Strict):
     """Number of HumanEval problems used for training (the first N)."""
     humaneval_eval: int = Field(8, ge=0, le=164)
     """Number of HumanEval problems held out for evaluation (the last N)."""
+
+    @model_validator(mode="after")
+    def _check_mirrors(self):
+        for registry, mirror in self.registry_mirrors.items():
+            if not (registry == "*" or _REGISTRY.match(registry)) or not _MIRROR.match(mirror):
+                raise ValueError(f"tasks.registry_mirrors: {registry!r} = {mirror!r}: expected a registry (docker.io, "
+                                 "ghcr.io, host:port, or *) = a mirror host[:port][/prefix] without a scheme")
+        return self
 
 
 class AsyncScheduler(_Strict):

@@ -175,10 +175,11 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
 
 def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[str, str],
                   max_parallel_builds: int = 2, validate: bool = True,
-                  base_images: dict[str, str] | None = None, fallback_base: str | None = BASE_IMAGE,
+                  base_images: dict[str, str] | None = None, fallback_base: str | None = None,
                   cache_get: Callable[[str], dict | None] | None = None,
                   cache_put: Callable[[str, dict], None] | None = None,
-                  build_network: bool = True) -> tuple[list[EnvEntry], dict[str, str]]:
+                  build_network: bool = True,
+                  registry_mirrors: dict[str, str] | None = None) -> tuple[list[EnvEntry], dict[str, str]]:
     """Build every terminal task's image (bounded concurrency), then validate every task.
 
     Code tasks use the base image. A build failure or a failed validation marks the task unusable
@@ -191,10 +192,13 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         max_parallel_builds: image builds (and validations) at once.
         validate: run the validation gate (False: every built task is usable, marked ``skipped``).
         base_images: ``FROM`` pattern -> local image (see ``map_base_images``).
-        fallback_base: image for a ``FROM`` neither local nor mapped (None: the build fails).
+        fallback_base: image for a ``FROM`` that is neither local, nor mapped, nor has a local equivalent,
+            nor can be pulled (None: the build fails, cause ``registry_image``); an explicit choice only.
         cache_get: validation cache lookup by :func:`validation_key` (None: no cache).
         cache_put: validation cache store.
         build_network: image builds have network access (``DockerBackend.build_image``).
+        registry_mirrors: registry -> mirror to pull registry base images from first
+            (``infra.sandbox.registry.mirror_references``).
 
     Returns:
         (one entry per task, each unusable one with its cause class and fix; build and validation logs
@@ -213,7 +217,7 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         name = task.task_id.removeprefix("tb/")
         try:
             tag, built, log = backend.build_image(name, context, dockerfile, base_images, fallback_base,
-                                                  network=build_network)
+                                                  network=build_network, registry_mirrors=registry_mirrors)
         except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
             build_log = getattr(e, "build_log", []) or []
             logs[task.task_id] = strip_ansi("".join(str(c.get("stream", "")) for c in build_log))
@@ -223,7 +227,8 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         if (services := task.limits.services) is not None:  # a multi-service task: the other services too
             try:
                 service_tags, service_log = backend.build_services(tag, services, base_images, fallback_base,
-                                                                   network=build_network)
+                                                                   network=build_network,
+                                                                   registry_mirrors=registry_mirrors)
             except (docker.errors.BuildError, docker.errors.APIError, OSError) as e:
                 build_log = getattr(e, "build_log", []) or []
                 logs[task.task_id] += strip_ansi("".join(str(c.get("stream", "")) for c in build_log))

@@ -8,8 +8,11 @@ two into one of a few cause classes, each with the fix that would make the task 
   and works where that host is reachable; nothing here patches upstream scripts around it.
 - ``needs_network``: an offline build (``tasks.build_network = false``) failed at a step that
   downloads (``apt-get``, ``pip``, ``curl``...): the message names the Dockerfile line.
-- ``registry_image``: a ``FROM``/``COPY --from`` image that is neither local nor has a local
-  equivalent.
+- ``registry_image``: a ``FROM``/``COPY --from`` image that is not local, has no local equivalent
+  (``infra.base_images``) and could not be pulled (``registry image X cannot be pulled (reason)``:
+  no registry reachable, none serves it); no base is substituted unless the run names one
+  (``tasks.fallback_base_image``). The fix names the image and the three ways to supply it:
+  ``docker load -i <file>``, ``tasks.base_images``, or a registry mirror (``tasks.registry_mirrors``).
 - ``build_failed``: the Dockerfile failed for another reason (the log names the step).
 - ``tests_environment_broken``: the reference solution ran but the tests themselves did not run
   (no test result at all: a missing test runner, a ``run-tests.sh`` that failed before pytest).
@@ -68,6 +71,7 @@ _OFFLINE = re.compile(r"Unable to locate package|Temporary failure in name resol
                       r"Failed to establish a new connection|Name or service not known")
 _FETCHING_STEP = re.compile(r"\b(apt-get|apt|apk|pip3?|uv|curl|wget|git\s+clone|npm|conda|cargo|go\s+get)\b")
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$", re.MULTILINE)
+_UNPULLED = re.compile(r"registry image (\S+) cannot be pulled")  # infra.sandbox.registry.RegistryPullError
 
 
 # Messages that name a host without saying why it failed; counted when the log also shows a name lookup
@@ -136,8 +140,14 @@ def classify(reason: str, log: str, validation: str = "", build_network: bool = 
     if reason.startswith(("image build failed", "set-up snapshot failed")):
         step = failing_step(log)
         at = f" at {step}" if step else ""
+        if m := _UNPULLED.search(text):
+            image = m.group(1)
+            return "registry_image", (f"supply {image}: `docker load -i <file>` of a saved copy, "
+                                      f'tasks.base_images = {{"{image}" = "<local image>"}}, or a registry '
+                                      "mirror that serves it (tasks.registry_mirrors)")
         if "pull access denied" in text or "manifest unknown" in text or "no local equivalent" in text:
-            return "registry_image", f"map the image{at} to a local one with tasks.base_images"
+            return "registry_image", (f"supply the image{at}: `docker load -i <file>`, tasks.base_images, or a "
+                                      "registry mirror that serves it (tasks.registry_mirrors)")
         if not build_network and (_OFFLINE.search(text) or _FETCHING_STEP.search(step)):
             return "needs_network", (f"the build downloads{at}, and builds are offline: set "
                                      "tasks.build_network = true (or bake what it fetches into a local base image)")

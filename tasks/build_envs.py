@@ -45,7 +45,8 @@ def build_envs(run: Run) -> str:
     t = run.config.tasks
     entries, logs = build_catalog(run.backend, tasks, split, validate=t.validate_tasks, base_images=t.base_images,
                                   fallback_base=t.fallback_base_image or None, cache_get=cache_get,
-                                  cache_put=cache_put, build_network=t.build_network)
+                                  cache_put=cache_put, build_network=t.build_network,
+                                  registry_mirrors=t.registry_mirrors)
     for task_id, text in logs.items():  # build and validation logs, kept next to the catalog
         if text.strip():
             run.fs.pipe_file(run.layout.envs_log(task_id), text.encode())

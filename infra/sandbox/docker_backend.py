@@ -11,10 +11,12 @@ process (``agentrl.owner``) so the leftovers of a crashed run are reaped by labe
 protection against kernel exploits (containers share the host kernel), or, without a quota
 (overlay2 on ext4), a bound on what the agent writes outside ``/tmp``.
 
-Task Dockerfiles may name registry images (``FROM ubuntu:24.04``) that cannot be pulled here; those
+Task Dockerfiles name registry images (``FROM ubuntu:24.04``, ``FROM swebench/sweb.eval...``); those
 with a local equivalent (``infra.base_images``) get it, built once and tagged with the upstream name;
-others are rewritten through ``tasks.base_images`` or to the fallback base image; the build log
-says which.
+others are rewritten through ``tasks.base_images`` or pulled (``infra.sandbox.registry``: a mirror
+of ``tasks.registry_mirrors``, then the engine's own registry settings). One that none of these
+supplies fails the build (``registry image X cannot be pulled (reason)``), unless the run names a
+fallback base image explicitly (``tasks.fallback_base_image``). The build log says which.
 
 Per-command deadlines are enforced inside the container with ``timeout -s KILL`` so that a
 command hitting its deadline (exit 137) is told apart from a client-side socket timeout.
@@ -137,7 +139,8 @@ def map_base_images(dockerfile: str, mapping: dict[str, str], local: set[str] | 
         dockerfile: Dockerfile text.
         mapping: glob pattern (``ubuntu:*``, ``ghcr.io/laude-institute/*``) -> local image, tried in order.
         local: image names present on the engine (left alone); None: check only ``mapping``.
-        fallback: image for a ``FROM`` that is neither local nor mapped (None: leave it, the build fails).
+        fallback: image for a ``FROM`` that is neither local nor mapped (None: leave it as written; the
+            build then uses it only if it is present by then, e.g. pulled).
 
     Returns:
         (new Dockerfile, {original image: replacement}). Build-stage names (``FROM x AS y`` then
@@ -264,40 +267,45 @@ class DockerBackend:
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
-                    fallback_base: str | None = None, network: bool = True) -> tuple[str, bool, str]:
+                    fallback_base: str | None = None, network: bool = True,
+                    registry_mirrors: dict[str, str] | None = None) -> tuple[str, bool, str]:
         """Build ``context``'s Dockerfile, tagged by the hash of its build context.
 
         ``network``: the build's ``RUN`` steps reach what this machine reaches (as ``docker build``
         does; the engine's host network, since dockerd here has no bridge); False: no network.
 
         The context excludes the hidden tests and the reference solution. An image whose tag
-        already exists is not rebuilt. ``FROM`` images that are neither present on the engine nor
-        left alone by ``base_images`` are rewritten (see :func:`map_base_images`); the mapping
-        applied is part of the hashed context and listed at the top of the returned log.
+        already exists is not rebuilt. ``FROM``/``COPY --from=`` images are supplied as
+        :meth:`_supply_base_images` says (present, ``base_images``, a local equivalent, pulled through
+        ``registry_mirrors`` or the engine's own registry settings, then ``fallback_base`` only when
+        given); the ``FROM`` rewrites applied are part of the hashed context, and every image supplied
+        is listed at the top of the returned log (``base image ... pulled from ...``).
 
         Returns:
             (tag, built, log): ``agentrl-task-{name}:{hash[:16]}``, whether a build ran, build log.
 
         Raises:
-            docker.errors.BuildError: the Dockerfile failed to build (its log is in the error).
+            docker.errors.BuildError: the Dockerfile failed to build (its log is in the error), or an
+                image it names cannot be supplied (``registry image X cannot be pulled (reason)``).
             FileNotFoundError: ``dockerfile`` is not in ``context``.
         """
         text = (context / dockerfile).read_text()
         local = {t for img in self.client.images.list() for t in img.tags}
-        equivalents = self._local_equivalents(text, base_images or {}, local, fallback_base)
-        local |= set(equivalents)
+        supplied, unpulled = self._supply_base_images(text, base_images or {}, local, fallback_base,
+                                                      registry_mirrors or {})
+        local |= set(supplied)
         mapped_text, mapped = map_base_images(text, base_images or {}, local, fallback_base)
         raw, digest = _context_tar(context, dockerfile, {dockerfile: mapped_text} if mapped else None)
         # a base image rebuilt under the same name (a local equivalent with other CAs, a new base recipe)
         # rebuilds the task image: the ids of the local images it starts from are part of its tag
-        ids = "".join(sorted(self._image_id(image) for image in _from_images(mapped_text) if image in local
-                             or image in equivalents))
+        ids = "".join(sorted(self._image_id(image) for image in _from_images(mapped_text) if image in local))
         if ids:
             digest = hashlib.sha256(f"{digest}{ids}".encode()).hexdigest()
         tag = f"agentrl-task-{name.replace('/', '-').lower()}:{digest[:16]}"
-        note = "".join(f"base image {n}\n" for n in equivalents.values())
-        note += "".join(f"base image {k} -> {v} (no local equivalent: fallback or tasks.base_images)\n"
-                        for k, v in mapped.items())
+        note = "".join(f"base image {n}\n" for n in supplied.values())
+        note += "".join(f"base image {k} -> {v} ("
+                        + (f"tasks.fallback_base_image: {unpulled[k]}" if k in unpulled else "tasks.base_images")
+                        + ")\n" for k, v in mapped.items())
         try:
             self.client.images.get(tag)
             return tag, False, note
@@ -323,34 +331,55 @@ class DockerBackend:
         summary = self.egress.summary(session)
         return summary.lines() if summary.requests else []
 
-    def _local_equivalents(self, dockerfile: str, mapping: dict[str, str], local: set[str],
-                           fallback: str | None) -> dict[str, str]:
-        """Make the local equivalent of every registry image the Dockerfile names present under that name.
+    def _supply_base_images(self, dockerfile: str, mapping: dict[str, str], local: set[str],
+                            fallback: str | None, mirrors: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Make every registry image the Dockerfile names present on the engine under its own name.
 
-        ``FROM`` and ``COPY --from=`` images that are not build stages, not local and not matched by
-        ``mapping`` are looked up in ``infra.base_images``; each found is built (or loaded) once and
-        tagged with the upstream name, so the Dockerfile builds unchanged.
+        Each ``FROM`` and ``COPY --from=`` image that is not a build stage, ``scratch`` or matched by
+        ``mapping`` (``tasks.base_images``, rewritten by :func:`map_base_images`) is, in order:
+
+        1. present on the engine as a real image (pulled, loaded or built here before): used as it is;
+        2. a name with a local equivalent (``infra.base_images``): that is built or loaded once and
+           tagged with the upstream name;
+        3. pulled (``infra.sandbox.registry.pull``: each of ``mirrors``, then the engine's own
+           registry settings), bounded by ``registry.PULL_STALL_S`` without progress;
+        4. a ``FROM`` with an explicit ``fallback``: left to :func:`map_base_images`, which rewrites it to
+           the fallback (the pull's failure goes into the build log);
+        5. otherwise the build fails, naming the image and the three ways to supply it.
+
+        Local equivalents come before any registry for the names they know: they need no registry, so
+        the same run config builds the same task image on every machine, connected or not (a task
+        image's tag hashes the ids of the images it starts from: a pull that succeeds on one machine
+        and fails on another would give one task two images, two validation verdicts and two training
+        environments), and no build waits on a registry for them. What they change against upstream is
+        in each build log; whoever wants upstream's own image pulls or loads it before the run
+        (``docker pull``, ``docker load``), and step 1 then uses it.
 
         Returns:
-            {upstream name: log note}.
+            ({image: log note} for the images supplied, {image: why it could not be pulled} for the
+            ``FROM`` images left to the fallback).
 
         Raises:
-            docker.errors.BuildError: a ``COPY --from`` image, or a ``FROM`` image with no fallback, has
-                no local equivalent; or building the equivalent failed.
+            docker.errors.BuildError: an image could not be supplied (``registry image X cannot be
+                pulled (reason)``: the message names the image and its three remedies), or building its
+                local equivalent failed.
         """
         from infra.base_images import ensure_local_base, ensure_uv_image, local_base_for, uv_image_version
+        from infra.sandbox.registry import RegistryPullError, pull
 
         stages = {m.group(4).split()[-1].lower() for m in _FROM.finditer(dockerfile)
                   if m.group(4).strip().lower().startswith("as ")}
         wanted = [(m.group(3), "FROM") for m in _FROM.finditer(dockerfile)]
         wanted += [(m.group(1), "COPY --from") for m in _COPY_FROM.finditer(dockerfile)]
         found: dict[str, str] = {}
+        unpulled: dict[str, str] = {}
         for image, where in wanted:
             if (image.lower() in stages or image.isdigit() or image == "scratch" or image in found
-                    or any(fnmatch.fnmatchcase(image, k) for k in mapping)):
+                    or image in unpulled or any(fnmatch.fnmatchcase(image, k) for k in mapping)):
                 continue
-            if image in local and not self._is_local_equivalent(image):
-                continue  # a real image of that name (pulled or built here): used as it is
+            present = image in local or ("@" in image and self._image_id(image))
+            if present and not self._is_local_equivalent(image):
+                continue  # a real image of that name (pulled, loaded or built here): used as it is
             if uv_image_version(image):  # uv's distroless image, from uv's PyPI wheel
                 try:
                     found[image] = ensure_uv_image(self.client, image, self.state_dir)[1]
@@ -359,11 +388,18 @@ class DockerBackend:
                 continue
             hit = local_base_for(image)
             if hit is None:
-                if where == "FROM" and fallback:
-                    continue  # map_base_images falls back
-                raise docker.errors.BuildError(
-                    f"{where} {image}: no local equivalent of this registry image (no registry is reachable "
-                    "here); map it with tasks.base_images", [])
+                try:
+                    found[image] = pull(self.client, image, mirrors)
+                except RegistryPullError as e:
+                    if where == "FROM" and fallback:
+                        unpulled[image] = str(e)
+                        continue  # map_base_images falls back
+                    raise docker.errors.BuildError(
+                        f"{where} {image}: {e}, and it has no local equivalent (infra.base_images); supply it "
+                        f"with `docker load -i <file>` (a `docker save` of it), tasks.base_images = "
+                        f'{{"{image}" = "<local image>"}}, or a registry that serves it (tasks.registry_mirrors, '
+                        "or the engine's own registry-mirrors)", []) from e
+                continue
             base, note = hit
             try:
                 ensure_local_base(self.client, base, self.state_dir, self.ca_bundle, alias=image)
@@ -371,10 +407,11 @@ class DockerBackend:
                 raise docker.errors.BuildError(f"local equivalent of {image} ({base.tag}) failed to build: {e}",
                                                []) from e
             found[image] = f"{note} (local equivalent, tagged {image})"
-        return found
+        return found, unpulled
 
     def build_services(self, image: str, services: ComposeServices, base_images: dict[str, str] | None = None,
-                       fallback_base: str | None = None, network: bool = True) -> tuple[dict[str, str], str]:
+                       fallback_base: str | None = None, network: bool = True,
+                       registry_mirrors: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
         """Build every service of a multi-service task but the agent's (``image``, built already).
 
         Each is built as :meth:`build_image` builds (local equivalents, the content-hash tag) and
@@ -396,7 +433,8 @@ class DockerBackend:
                 continue
             context, dockerfile, _ = compose_build(services.file, main=services.main, service=name)
             built_tag, _, log_text = self.build_image(f"{repository.removeprefix('agentrl-task-')}-{name}", context,
-                                                      dockerfile, base_images, fallback_base, network=network)
+                                                      dockerfile, base_images, fallback_base, network=network,
+                                                      registry_mirrors=registry_mirrors)
             alias = service_image(image, name)
             self.client.images.get(built_tag).tag(alias)
             spec_tags[name] = alias

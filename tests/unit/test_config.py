@@ -174,3 +174,17 @@ def test_top_k_is_off_by_default_and_out_of_range_is_named(tmp_path):
     assert _error(tmp_path, "[rollout]\ntop_k = -1\n") == (
         "bad.toml: field 'rollout.top_k': Input should be greater than or equal to 0 (got -1)")
     assert _error(tmp_path, "[rollout]\ntop_k = 2.5\n").startswith("bad.toml: field 'rollout.top_k': ")
+
+
+def test_no_fallback_base_image_unless_chosen_and_registry_mirrors_are_checked(tmp_path):
+    assert RunConfig().tasks.fallback_base_image == ""  # an unpullable FROM fails, cause registry_image
+    p = tmp_path / "mirrors.toml"
+    p.write_text('[tasks]\nfallback_base_image = "agentrl-base:bookworm"\n'
+                 'registry_mirrors = {"docker.io" = "localhost:5000", "*" = "mirror.example:443/cache"}\n')
+    t = load_config(p).tasks
+    assert t.fallback_base_image == "agentrl-base:bookworm"
+    assert t.registry_mirrors == {"docker.io": "localhost:5000", "*": "mirror.example:443/cache"}
+    p.write_text('[tasks]\nregistry_mirrors = {"docker.io" = "https://localhost:5000"}\n')
+    with pytest.raises(ConfigError, match=r"mirrors.toml: .*tasks.registry_mirrors: 'docker.io' = "
+                                          r"'https://localhost:5000': expected a registry .* without a scheme"):
+        load_config(p)

@@ -136,3 +136,15 @@ def test_a_host_the_reference_solution_could_not_reach_makes_it_unreachable_host
     assert v.outcome == Outcome.MODEL_FAILURE and "solution could not reach host: huggingface.co" in v.log
     assert classify(f"validation failed: reference solution scored 0.0 (tests_failed): {v.log[-500:]}", v.log,
                     "failed") == ("unreachable_host", "needs huggingface.co, which this machine cannot reach")
+
+
+def test_an_unpullable_registry_image_names_the_image_and_its_three_remedies():
+    """The message ``DockerBackend._supply_base_images`` raises when no registry serves a base image."""
+    image = "swebench/sweb.eval.x86_64.example:latest"
+    reason = (f"image build failed: FROM {image}: registry image {image} cannot be pulled ({image}: Get "
+              '"https://registry-1.docker.io/v2/": dial tcp: lookup registry-1.docker.io: no such host), and it '
+              "has no local equivalent (infra.base_images)")
+    cause, fix = classify(reason, "")
+    assert cause == "registry_image"  # not unreachable_host, though the message names a host
+    assert f"supply {image}" in fix and "docker load -i <file>" in fix
+    assert f'tasks.base_images = {{"{image}" = "<local image>"}}' in fix and "tasks.registry_mirrors" in fix
