@@ -8,19 +8,26 @@ task would work where that host is reachable. ``usable share of the rest`` = usa
 unreachable_host). Images are removed after each task (``--keep-images`` keeps them) so a corpus of
 large images fits the engine's disk.
 
-Corpora are folders of task folders; ``--checkout`` copies a sub-folder of a fetched git mirror
-(``git archive``) so nothing third-party is committed here::
+``--reference-less usable`` (the default, as ``tasks.reference_less``) validates a task without a
+reference solution by its do-nothing run alone (usable, marked ``unverified_reference`` and counted
+apart); ``unusable`` makes it ``no_solution``.
 
-    python -m benchmarks.task_corpus checkout /work/.mirror/AakashKotha+Terminal-Bench-DS-Tasks/repo . \\
-        /tmp/corpus/tb --strip-prefix "laude-institute terminal-bench main tasks-"
-    python -m benchmarks.task_corpus run /tmp/corpus/tb /tmp/corpus/harbor --out corpus.json
+Corpora are folders of task folders; ``checkout`` copies a sub-folder of a fetched git mirror
+(``git archive``) so nothing third-party is committed here (``--remove-solutions`` drops each
+task's reference solution in the copy: the honest stand-in for a task set that ships none)::
+
+    python -m benchmarks.task_corpus checkout <mirror>/AakashKotha+Terminal-Bench-DS-Tasks/repo . \\
+        <corpus>/tb --strip-prefix "laude-institute terminal-bench main tasks-"
+    python -m benchmarks.task_corpus run <corpus>/tb <corpus>/harbor --out corpus.json
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import random
+import re
 import shutil
 import subprocess
 import tarfile
@@ -36,17 +43,42 @@ from infra.environments import BASE_IMAGE, EnvEntry, build_catalog
 from infra.sandbox.docker_backend import DockerBackend
 from infra.task_faults import classify
 
+SOLUTION_FILES = ("solution.sh", "solution.yaml", "solution")
+"""A task folder's reference solution: Terminal-Bench's ``solution.sh``/``solution.yaml``, Harbor's ``solution/``."""
 
-def checkout(repo: Path, subdir: str, dest: Path, strip_prefix: str = "", sample: int = 0, seed: int = 0) -> int:
-    """Copy the task folders under ``subdir`` of git ``repo`` (HEAD) to ``dest``; returns how many.
 
-    ``strip_prefix`` is removed from folder names; ``sample`` > 0 takes that many folders at random
-    (``seed``), sorted by name.
+def checkout(repo: Path, subdir: str, dest: Path, strip_prefix: str = "", sample: int = 0, seed: int = 0,
+             include: list[str] | None = None, name_pattern: str = "", remove_solutions: bool = False) -> int:
+    r"""Copy the task folders under ``subdir`` of git ``repo`` (HEAD) to ``dest``; returns how many.
+
+    ``strip_prefix`` is removed from folder names (and only folders with it are taken); ``include``
+    (globs on the folder name) keeps only the folders matching one; ``name_pattern`` (a regex with groups)
+    renames each folder to its groups joined by ``-`` (``"^([0-9]+)\. tasks-(.*)$"``: ``001. tasks-foo`` ->
+    ``001-foo``); ``sample``
+    > 0 takes that many folders at random (``seed``), sorted by name; ``remove_solutions`` deletes each
+    copy's :data:`SOLUTION_FILES`.
+
+    Raises:
+        ValueError: ``name_pattern`` does not match a folder name, or two folders get one name.
     """
     names = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", "HEAD", f"{subdir.rstrip('/')}/"],
                            check=True, capture_output=True, text=True).stdout.splitlines()
     names = sorted(n for n in names if not Path(n).name.startswith(".") and not n.endswith(".md")
-                   and Path(n).name.startswith(strip_prefix))
+                   and Path(n).name.startswith(strip_prefix)
+                   and (not include or any(fnmatch.fnmatch(Path(n).name, g) for g in include)))
+
+    def target_name(name: str) -> str:
+        short = Path(name).name.removeprefix(strip_prefix)
+        if not name_pattern:
+            return short
+        if (m := re.match(name_pattern, short)) is None:
+            raise ValueError(f"--name-pattern {name_pattern!r} does not match the folder name {short!r}")
+        return "-".join(m.groups())
+
+    targets = [target_name(n) for n in names]
+    if len(set(targets)) != len(targets):
+        dup = sorted({t for t in targets if targets.count(t) > 1})
+        raise ValueError(f"--name-pattern {name_pattern!r}: several folders become {dup}; include fewer")
     if sample:
         names = sorted(random.Random(seed).sample(names, min(sample, len(names))))
     dest.mkdir(parents=True, exist_ok=True)
@@ -54,17 +86,25 @@ def checkout(repo: Path, subdir: str, dest: Path, strip_prefix: str = "", sample
         with tempfile.TemporaryFile() as tmp:
             subprocess.run(["git", "-C", str(repo), "archive", "HEAD", name], check=True, stdout=tmp)
             tmp.seek(0)
-            target = dest / Path(name).name.removeprefix(strip_prefix)
+            target = dest / target_name(name)
             shutil.rmtree(target, ignore_errors=True)
             with tarfile.open(fileobj=tmp) as tar:
                 members = [m for m in tar.getmembers() if m.name.startswith(f"{name}/")]
                 for member in members:
                     member.name = member.name.removeprefix(f"{name}/")
                 tar.extractall(target, members=members, filter="data")
+        if remove_solutions:
+            for solution in SOLUTION_FILES:
+                path = target / solution
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
     return len(names)
 
 
-def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool) -> list[dict]:
+def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool,
+        reference_less: str = "usable") -> list[dict]:
     """Every task of ``roots`` through build and validation, one record per task (or load error)."""
     backend = DockerBackend()
     records: list[dict] = []
@@ -79,7 +119,8 @@ def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool
             t0 = time.perf_counter()
             try:
                 entries, logs = build_catalog(backend, {task.task_id: task}, {task.task_id: "train"},
-                                              max_parallel_builds=1, build_network=build_network)
+                                              max_parallel_builds=1, build_network=build_network,
+                                              reference_less=reference_less)
             except Exception as exc:  # noqa: BLE001 - the engine went away mid-task: recorded, the corpus goes on
                 backend.wait_engine(120)
                 print(f"{'infra':>26}  {task.task_id}  {type(exc).__name__}: {exc}", flush=True)
@@ -94,7 +135,8 @@ def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool
                     pass
             rec = {"source": root.name, **asdict(e), "seconds": round(time.perf_counter() - t0, 1),
                    "log_tail": logs.get(task.task_id, "")[-1500:]}
-            print(f"{'usable' if e.usable else e.cause:>26}  {task.task_id}  ({rec['seconds']} s)"
+            state = ("usable (unverified reference)" if e.validation == "unverified_reference" else "usable")
+            print(f"{state if e.usable else e.cause:>26}  {task.task_id}  ({rec['seconds']} s)"
                   + ("" if e.usable else f"  {e.fix}"), flush=True)
             return rec
 
@@ -104,9 +146,9 @@ def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool
 
 
 def summary(records: list[dict]) -> str:
-    """Per source: all, usable, unreachable-host, usable share of the rest, and the unusable by cause."""
-    lines = ["| source | tasks | usable | unreachable host | usable of the rest | unusable by cause |",
-             "|---|---:|---:|---:|---:|---|"]
+    """Per source: all, usable (of them unverified reference), unreachable-host, usable share of the rest, causes."""
+    lines = ["| source | tasks | usable | of them unverified reference | unreachable host | usable of the rest "
+             "| unusable by cause |", "|---|---:|---:|---:|---:|---:|---|"]
     for source in sorted({r["source"] for r in records}):
         rs = [r for r in records if r["source"] == source]
         usable = sum(r["usable"] for r in rs)
@@ -114,7 +156,8 @@ def summary(records: list[dict]) -> str:
         rest = len(rs) - unreachable
         causes = Counter(r["cause"] for r in rs if not r["usable"] and r["cause"] != "unreachable_host")
         share = f"{usable}/{rest} = {usable / rest:.0%}" if rest else "-"
-        lines.append(f"| {source} | {len(rs)} | {usable} | {unreachable} | {share} | "
+        unverified = sum(r["usable"] and r.get("validation") == "unverified_reference" for r in rs)
+        lines.append(f"| {source} | {len(rs)} | {usable} | {unverified} | {unreachable} | {share} | "
                      + ", ".join(f"{c} {n}" for c, n in causes.most_common()) + " |")
     return "\n".join(lines)
 
@@ -130,18 +173,26 @@ def main() -> None:
     c.add_argument("--strip-prefix", default="")
     c.add_argument("--sample", type=int, default=0)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--include", action="append", default=[], help="glob on folder names to keep (repeatable)")
+    c.add_argument("--name-pattern", default="",
+                   help="regex with groups: each folder's new name is its groups joined by '-'")
+    c.add_argument("--remove-solutions", action="store_true", help="delete each copy's reference solution")
     r = sub.add_parser("run", help="build and validate every task of the given folders")
     r.add_argument("roots", type=Path, nargs="+")
     r.add_argument("--parallel", type=int, default=2)
     r.add_argument("--keep-images", action="store_true")
     r.add_argument("--offline", action="store_true", help="builds without network (tasks.build_network = false)")
     r.add_argument("--out", type=Path, help="write every record as JSON")
+    r.add_argument("--reference-less", choices=("usable", "unusable"), default="usable",
+                   help="a task without a reference solution: validated without one (usable, marked "
+                        "unverified_reference) or unusable (no_solution), as tasks.reference_less")
     args = p.parse_args()
     if args.cmd == "checkout":
-        print(checkout(args.repo, args.subdir, args.dest, args.strip_prefix, args.sample, args.seed), "task folders")
+        print(checkout(args.repo, args.subdir, args.dest, args.strip_prefix, args.sample, args.seed, args.include,
+                       args.name_pattern, args.remove_solutions), "task folders")
         return
     t0 = time.perf_counter()
-    records = run(args.roots, args.parallel, args.keep_images, not args.offline)
+    records = run(args.roots, args.parallel, args.keep_images, not args.offline, args.reference_less)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1))
     print(summary(records))

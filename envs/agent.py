@@ -12,15 +12,27 @@ from dataclasses import dataclass
 
 from envs.task import Task
 
-SYSTEM_PROMPT = (
-    "You are an agent working in a Linux shell. Each turn, reply with exactly one shell command "
-    "in a ```bash code block; you will see its output. The working directory is /app. "
-    "When the task is complete, reply with DONE."
-    # One worked exchange: SmolLM2-135M's first reply holds a bash block 80% of the time with it and
-    # 42% without (144 first turns over 5 multi-turn instructions, temperature 0.7, probed 2026-12-01).
-    "\n\nExample:\nuser: Show the files in /app.\nassistant: ```bash\nls /app\n```\n"
-    "user: notes.txt\n[exit code 0]\nassistant: DONE"
-)
+
+def system_prompt(workdir: str) -> str:
+    """The terminal agent's system prompt, naming the sandbox's working directory ``workdir``.
+
+    ``workdir`` is where the agent's shell starts: the image's ``WORKDIR``, ``/`` when it sets none
+    (``Sandbox.workdir``).
+    """
+    return (
+        "You are an agent working in a Linux shell. Each turn, reply with exactly one shell command "
+        f"in a ```bash code block; you will see its output. The working directory is {workdir}. "
+        "When the task is complete, reply with DONE."
+        # One worked exchange: SmolLM2-135M's first reply holds a bash block 80% of the time with it and
+        # 42% without (144 first turns over 5 multi-turn instructions, temperature 0.7, probed 2026-12-01
+        # with workdir /app).
+        f"\n\nExample:\nuser: Show the files in {workdir}.\nassistant: ```bash\nls {workdir}\n```\n"
+        "user: notes.txt\n[exit code 0]\nassistant: DONE"
+    )
+
+
+SYSTEM_PROMPT = system_prompt("/app")
+"""The prompt in a sandbox whose image sets ``WORKDIR /app`` (Terminal-Bench's images; the prompt probed)."""
 CODE_SYSTEM_PROMPT = "You are an expert Python programmer."
 
 # Fences pair left to right (an opening fence with any info string, then its closing fence), so a
@@ -39,9 +51,18 @@ class Action:
     done: bool
 
 
-def initial_messages(task: Task) -> list[dict[str, str]]:
-    """The chat that opens an episode."""
-    system = SYSTEM_PROMPT if task.acts_in_sandbox else CODE_SYSTEM_PROMPT
+def initial_messages(task: Task, workdir: str | None = None) -> list[dict[str, str]]:
+    """The chat that opens an episode; ``workdir``: the sandbox's working directory (tasks that act in one).
+
+    Raises:
+        ValueError: ``task`` acts in a sandbox and ``workdir`` is None (the prompt names it).
+    """
+    if not task.acts_in_sandbox:
+        system = CODE_SYSTEM_PROMPT
+    elif workdir is None:
+        raise ValueError(f"{task.task_id}: acts in a sandbox; its prompt needs the sandbox's working directory")
+    else:
+        system = system_prompt(workdir)
     return [{"role": "system", "content": system}, {"role": "user", "content": task.instruction}]
 
 

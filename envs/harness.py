@@ -31,6 +31,14 @@ class EpisodeIO(Protocol):
     num_turns: int  # model turns sampled so far
     tool_s: float  # seconds the episode's commands took so far (the agent's budget is counted in these)
 
+    @property
+    def workdir(self) -> str | None:
+        """The sandbox's working directory (its image's ``WORKDIR``, ``/`` when none), where commands start.
+
+        Starts the episode's sandbox when it has none yet. None: the sandbox failed to start (the runner
+        ended the episode) or the task acts in none.
+        """
+
     def start(self, messages: list[dict[str, str]]) -> None:
         """Open the transcript with these chat messages (template tokens, not sampled)."""
 
@@ -72,7 +80,12 @@ class BashFenceHarness:
     def act(self, io: EpisodeIO, max_turns: int) -> None:
         """Run the turn loop (see the class docstring)."""
         task = io.task
-        io.start(initial_messages(task))
+        workdir = None
+        if task.acts_in_sandbox:  # the prompt names where the shell starts: the sandbox's own working directory
+            workdir = io.workdir
+            if workdir is None:  # the sandbox failed to start: the runner ended the episode
+                return
+        io.start(initial_messages(task, workdir))
         while (reply := io.sample()) is not None:
             if not task.acts_in_sandbox:
                 io.end("single_turn")

@@ -105,6 +105,14 @@ class TaskSetConfig(_Strict):
     validate_tasks: bool = True
     """Validation gate: run each task's reference solution (must pass) and a do-nothing agent (must not)
     before it is used; failures make the task unusable. Verdicts are cached in S3 by content hash."""
+    reference_less: Literal["usable", "unusable"] = "usable"
+    """A task that ships tests but no reference solution (synthetic generators, many RL task sets):
+    ``usable``: validated without one (it builds, its tests run and give a result, a do-nothing agent
+    fails them) and trained on, marked ``validation = "unverified_reference"`` in ``envs.json`` and
+    counted apart in ``build_envs``' summary; ``unusable``: cause ``no_solution``. Default ``usable``: a
+    user pointing at a synthetic corpus expects it to train, and a user of a curated benchmark whose
+    task lost its solution still sees it flagged by that mark and count (no task is silently trusted:
+    nothing shows such tests can be passed)."""
     base_images: dict[str, str] = Field(default_factory=dict)
     """``FROM`` image pattern (glob) -> local image, for task Dockerfiles naming registry images."""
     registry_mirrors: dict[str, str] = Field(default_factory=dict)

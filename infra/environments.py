@@ -6,15 +6,21 @@ A task whose folder does not load or whose image fails to build is marked unusab
 reason; the others go on.
 
 Validation gate: every task is run twice before it may be trained on: its reference solution
-must verify as ``success`` and a do-nothing agent must not. A task that fails either (or has no
-reference solution) is unusable, with the reason. Results are cached by a hash of everything
-the verdict depends on (image digest, tests, solution, verifier), so an unchanged task is
-validated once.
+must verify as ``success`` and a do-nothing agent must not. A task that fails either is unusable,
+with the reason. A task without a reference solution (synthetic generators and many RL task sets
+ship none) is validated by the do-nothing run alone when ``tasks.reference_less = "usable"``: its
+tests must run and give a real result (``tests_failed``), which only shows the tests can be
+failed, not that they can be passed, so such a task is usable but marked
+``validation = "unverified_reference"`` and counted apart. Results are cached by a hash of
+everything the verdict depends on (image digest, tests, solution, verifier, and for a task
+without a solution the mode), so an unchanged task is validated once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -49,6 +55,9 @@ class EnvEntry:
     reason: str = ""
     task_format: str = ""
     validation: str = ""
+    """``passed`` (reference solution passes, do-nothing fails), ``unverified_reference`` (no reference
+    solution: the tests ran and a do-nothing agent fails them), ``skipped`` (gate off), ``failed``,
+    ``infra_failure``, or empty (not validated: not built)."""
     cause: str = ""
     """Why it is unusable, as a class (``infra.task_faults.CAUSES``); empty when usable."""
     fix: str = ""
@@ -130,28 +139,55 @@ def load_run_tasks(t: TaskSetConfig) -> tuple[dict[str, Task], dict[str, str], l
     return tasks, split, errors
 
 
-def validation_key(task: Task, image_digest: str) -> str:
-    """Hash of everything a validation verdict depends on (image, tests, solution, verifier)."""
+REFERENCE_LESS = ("usable", "unusable")
+"""``tasks.reference_less`` values: a task without a reference solution is validated without one, or unusable."""
+
+# Do-nothing verdicts that are a real test result: the tests ran and at least one failed.
+_TESTS_RAN = ("tests_failed", "tests_skipped")
+
+
+def validation_key(task: Task, image_digest: str, reference_less: str = "unusable") -> str:
+    """Hash of everything a validation verdict depends on (image, tests, solution, verifier).
+
+    A task without a reference solution gets another key per ``reference_less`` mode (its verdict
+    depends on it); a task with one keeps the key it always had (the mode does not touch it).
+
+    Raises:
+        ValueError: ``reference_less`` is not one of :data:`REFERENCE_LESS`.
+    """
+    if reference_less not in REFERENCE_LESS:
+        raise ValueError(f"tasks.reference_less: {reference_less!r} is not one of {REFERENCE_LESS}")
     verifier, *rest = task.verification_parts()
-    return hashlib.sha256("\0".join([verifier, image_digest, *rest]).encode()).hexdigest()
+    mode = ["reference_less=usable"] if task.solution is None and reference_less == "usable" else []
+    return hashlib.sha256("\0".join([verifier, image_digest, *rest, *mode]).encode()).hexdigest()
 
 
-def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool, str]:
+def validate_task(backend: DockerBackend, task: Task, image: str, reference_less: str = "unusable") -> tuple[bool, str]:
     """Run the reference solution (must verify as success) and a do-nothing agent (must not).
 
     Each runs in a fresh sandbox, scored by the task's own ``reference`` run (terminal tasks: the
     solution script runs as the agent would, then the task's verifier; code tasks: the solution
     program and the prompt with a ``pass`` body are verified).
 
+    A task without a reference solution: with ``reference_less = "usable"`` only the do-nothing
+    agent runs, and the task passes when the tests ran and failed it (reason ``tests_failed`` or
+    ``tests_skipped``, no unreachable host in its log: a failure that a host could have caused
+    says nothing about the tests); with ``"unusable"`` it fails at once.
+
     Returns:
         (ok, message): ``ok`` False names what failed (``reference solution scored 0.0 (tests_failed)``,
-        ``a do-nothing agent passes``, ``no reference solution``), with the verifier's log tail.
+        ``a do-nothing agent passes``, ``no reference solution``, ``reference-less: the tests gave no
+        result``), with the verifier's log tail.
 
     Raises:
         SandboxInfraError: the sandbox failed (validation could not run; not the task's fault).
+        ValueError: ``reference_less`` is not one of :data:`REFERENCE_LESS`.
     """
-    if task.solution is None:
-        return False, "no reference solution (solution.sh, solution/solve.sh or canonical_solution)"
+    if reference_less not in REFERENCE_LESS:
+        raise ValueError(f"tasks.reference_less: {reference_less!r} is not one of {REFERENCE_LESS}")
+    if task.solution is None and reference_less == "unusable":
+        return False, ("no reference solution (solution.sh, solution/solve.sh or canonical_solution), and "
+                       "tasks.reference_less = \"unusable\"")
 
     def run(with_solution: bool) -> Verdict:
         box = backend.start(image, {"agentrl.validate": task.task_id.replace("/", "_")}, **task.limits.kwargs())
@@ -162,6 +198,8 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
         finally:
             box.close()
 
+    if task.solution is None:
+        return _validate_reference_less(run(False))
     solved = run(True)
     if solved.outcome != Outcome.SUCCESS:
         hosts = unreachable_hosts(solved.log)
@@ -173,13 +211,29 @@ def validate_task(backend: DockerBackend, task: Task, image: str) -> tuple[bool,
     return True, f"reference solution passes; do-nothing scores {idle.reward} ({idle.reason})"
 
 
+def _validate_reference_less(idle: Verdict) -> tuple[bool, str]:
+    """The verdict on a task without a reference solution from its do-nothing run (see :func:`validate_task`)."""
+    if idle.outcome == Outcome.SUCCESS:
+        return False, "reference-less: a do-nothing agent passes (the tests check nothing the agent must do)"
+    hosts = unreachable_hosts(idle.log)
+    if hosts:
+        return False, (f"reference-less: do-nothing scored {idle.reward} ({idle.reason}) with unreachable host(s) "
+                       f"{', '.join(hosts)}, so the tests' result says nothing: {idle.log[-500:]}")
+    if idle.reason not in _TESTS_RAN:
+        return False, (f"reference-less: the tests gave no result for a do-nothing agent "
+                       f"({idle.reason}): {idle.log[-500:]}")
+    return True, (f"no reference solution: usable unverified (tasks.reference_less = \"usable\"); the tests ran "
+                  f"and do-nothing scores {idle.reward} ({idle.reason})")
+
+
 def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[str, str],
                   max_parallel_builds: int = 2, validate: bool = True,
                   base_images: dict[str, str] | None = None, fallback_base: str | None = None,
                   cache_get: Callable[[str], dict | None] | None = None,
                   cache_put: Callable[[str, dict], None] | None = None,
-                  build_network: bool = True,
-                  registry_mirrors: dict[str, str] | None = None) -> tuple[list[EnvEntry], dict[str, str]]:
+                  build_network: bool = True, registry_mirrors: dict[str, str] | None = None,
+                  reference_less: str = "usable",
+                  progress: Callable[[str], None] | None = None) -> tuple[list[EnvEntry], dict[str, str]]:
     """Build every terminal task's image (bounded concurrency), then validate every task.
 
     Code tasks use the base image. A build failure or a failed validation marks the task unusable
@@ -199,16 +253,46 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
         build_network: image builds have network access (``DockerBackend.build_image``).
         registry_mirrors: registry -> mirror to pull registry base images from first
             (``infra.sandbox.registry.mirror_references``).
+        reference_less: a task without a reference solution is validated without one and usable,
+            marked ``unverified_reference`` (``"usable"``), or unusable (``"unusable"``); see
+            :func:`validate_task`.
+        progress: called with one line per task as its build and then its validation finishes
+            (``[12/30] tb/foo: built in 8.2 s``, ``[12/30] tb/foo: validated (passed) in 14.0 s``), from
+            the worker threads; None: silent.
 
     Returns:
         (one entry per task, each unusable one with its cause class and fix; build and validation logs
         by task id).
+
+    Raises:
+        ValueError: ``reference_less`` is not one of :data:`REFERENCE_LESS`.
     """
+    if reference_less not in REFERENCE_LESS:
+        raise ValueError(f"tasks.reference_less: {reference_less!r} is not one of {REFERENCE_LESS}")
     base_digest = backend.image_digest(BASE_IMAGE)
     logs: dict[str, str] = {}
     service_digests: dict[str, str] = {}  # a multi-service task's other images: part of its validation key
 
+    totals = {"built": len(tasks), "validated": 0}  # validated: the entries still usable after their build
+    counted = {"built": 0, "validated": 0}
+    lock = threading.Lock()
+
+    def report(stage: str, task_id: str, what: str, t0: float) -> None:
+        if progress is None:
+            return
+        with lock:
+            counted[stage] += 1
+            n = counted[stage]
+        progress(f"[{n}/{totals[stage]}] {task_id}: {what} in {time.monotonic() - t0:.1f} s")
+
     def build(task: Task) -> EnvEntry:
+        t0 = time.monotonic()
+        entry = build_one(task)
+        what = ("built" if entry.built else "image up to date") if entry.image else "build failed"
+        report("built", task.task_id, "no image to build (base image)" if entry.image == BASE_IMAGE else what, t0)
+        return entry
+
+    def build_one(task: Task) -> EnvEntry:
         image_build = task.image_build()
         if image_build is None:
             return EnvEntry(task.task_id, split[task.task_id], BASE_IMAGE, base_digest, False, True,
@@ -256,16 +340,23 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
                         task_format=task.task_format)
 
     def check(entry: EnvEntry) -> EnvEntry:
+        t0 = time.monotonic()
+        checked = check_one(entry)
+        if entry.usable:
+            report("validated", entry.task_id, f"validated ({checked.validation})", t0)
+        return checked
+
+    def check_one(entry: EnvEntry) -> EnvEntry:
         if not entry.usable:
             return entry
         if not validate:
             return replace(entry, validation="skipped")
         task = tasks[entry.task_id]
-        key = validation_key(task, entry.image_digest + service_digests.get(entry.task_id, ""))
+        key = validation_key(task, entry.image_digest + service_digests.get(entry.task_id, ""), reference_less)
         cached = cache_get(key) if cache_get else None
         if cached is None:
             try:
-                ok, message = validate_task(backend, task, entry.image)
+                ok, message = validate_task(backend, task, entry.image, reference_less)
             except SandboxInfraError as e:  # not the task's fault: unusable this run, not cached
                 return replace(entry, usable=False, reason=f"validation could not run: {e}",
                                validation="infra_failure")
@@ -274,11 +365,12 @@ def build_catalog(backend: DockerBackend, tasks: dict[str, Task], split: dict[st
                 cache_put(key, cached)
         logs[entry.task_id] = logs.get(entry.task_id, "") + f"\nvalidation: {cached['message']}\n"
         if cached["ok"]:
-            return replace(entry, validation="passed")
+            return replace(entry, validation="passed" if task.solution is not None else "unverified_reference")
         return replace(entry, usable=False, reason=f"validation failed: {cached['message']}", validation="failed")
 
     with ThreadPoolExecutor(max_workers=max_parallel_builds) as pool:
         entries = list(pool.map(build, tasks.values()))
+    totals["validated"] = sum(e.usable for e in entries)
     with ThreadPoolExecutor(max_workers=max(2, max_parallel_builds)) as pool:
         entries = list(pool.map(check, entries))
     entries = [e if e.usable else replace(e, **dict(zip(("cause", "fix"), classify(

@@ -4,8 +4,10 @@
 two into one of a few cause classes, each with the fix that would make the task usable:
 
 - ``unreachable_host``: a host this machine cannot resolve or reach (``astral.sh``, ``github.com``,
-  ``huggingface.co``) was needed, at build or verification time. Counted apart: the task is fine
-  and works where that host is reachable; nothing here patches upstream scripts around it.
+  ``huggingface.co``), or one that refused or errored (an external judge answering HTTP 4xx/5xx, a
+  proxy's ``502 Bad Gateway`` at CONNECT, a TLS failure), was needed, at build or verification time.
+  Counted apart: the task is fine and works where that host is reachable; nothing here patches
+  upstream scripts around it.
 - ``needs_network``: an offline build (``tasks.build_network = false``) failed at a step that
   downloads (``apt-get``, ``pip``, ``curl``...): the message names the Dockerfile line.
 - ``registry_image``: a ``FROM``/``COPY --from`` image that is not local, has no local equivalent
@@ -60,6 +62,11 @@ _HOST_PATTERNS = (
     r"solution could not reach host: ([A-Za-z0-9.-]+)",  # envs.task.TerminalTask.reference
     r"egress denied by policy: ([A-Za-z0-9.-]+)",  # infra.egress: the session's policy refused the host
     r"egress failed upstream: ([A-Za-z0-9.-]+)",  # infra.egress: the host refused or could not be reached
+    # A host that answered with an HTTP error, refused a proxy tunnel or failed TLS, named by the message:
+    r"\d{3} (?:Client|Server) Error: .*? for url: https?://([A-Za-z0-9.-]+)",  # requests' raise_for_status
+    r"(?:Client|Server) error '\d{3}[^']*' for url 'https?://([A-Za-z0-9.-]+)",  # httpx's raise_for_status
+    r"in connection to ([A-Za-z0-9.-]+):\d+",  # curl (35) OpenSSL SSL_connect: ... in connection to host:443
+    r"\b(?:Get|Head|Post|Put|Patch|Delete) \"https?://([A-Za-z0-9.-]+)[^\"]*\": ",  # Go's url.Error (x509, TLS, 5xx)
 )
 _HOST = re.compile("|".join(f"(?:{p})" for p in _HOST_PATTERNS))
 # Hosts that are reachable here: a message naming one is not an unreachable-host failure.
@@ -84,12 +91,33 @@ _NAMED_HOST = re.compile(r"Looking in (?:indexes|links): ((?:https?://[^\s,]+[, 
                          r"^\s*GET https?://([A-Za-z0-9.-]+)", re.MULTILINE)  # GET: a fetch script's progress line
 
 
+# Messages that say a host answered with an HTTP error, refused a proxy tunnel or failed TLS without naming
+# it (urllib's ``HTTP Error 503``, curl's ``(22) The requested URL returned error: 502``, ``(60) SSL
+# certificate problem``, ``(56) CONNECT tunnel failed, response 403``, wget's ``ERROR 503``, a proxy's
+# ``502 Bad Gateway``); counted with the hosts of the URLs the log shows being fetched (a client call's
+# line, a ``set -x`` trace, a traceback's source line, wget's ``Connecting to``).
+_HTTP_FAILED = re.compile(r"curl: \((?:7|22|35|56|60)\)|urllib\.error\.(?:HTTPError|URLError)|HTTP Error \d{3}|"
+                          r"\bERROR \d{3}: |\b502 Bad Gateway|\b503 Service Unavailable|\b403 Forbidden|"
+                          r"Tunnel connection failed|CONNECT tunnel failed|CERTIFICATE_VERIFY_FAILED|"
+                          r"certificate verify failed|SSL certificate problem|TLS handshake|tls handshake|"
+                          r"Connection refused")
+_FETCHED_URL = re.compile(r"^.*\b(?:curl|wget|urlopen|Request|requests\.\w+|httpx\.\w+|session\.\w+|fetch)\b"
+                          r".*?https?://([A-Za-z0-9.-]+)|^Connecting to ([A-Za-z0-9.-]+) \(", re.MULTILINE)
+# Loopback and this host: a refused connection there is the task's own service (the agent's doing), not egress.
+_LOCAL = re.compile(r"^(?:localhost|127(?:\.\d+){3}|0\.0\.0\.0|[A-Za-z0-9-]+)$")
+
 _LISTED = re.compile(r"unreachable host\(s\) ([A-Za-z0-9.-]+(?:, [A-Za-z0-9.-]+)*)")
 _UNNAMED = "a host this machine cannot resolve (the log does not name it: a name lookup failed)"
 
 
 def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT) -> list[str]:
-    """Hosts ``log`` says could not be resolved or reached, in order of first mention (reachable ones left out)."""
+    """Hosts ``log`` says could not be resolved or reached, in order of first mention.
+
+    Reached but failing counts too: a host that answered with an HTTP error (``503 Server Error: ... for
+    url: https://host/...``), refused a proxy tunnel or failed TLS, named by the message or, when the
+    message names none (urllib, curl, wget), by the URLs the log shows being fetched. Hosts reachable
+    here (``reachable``: Debian's and Ubuntu's archives, PyPI) and loopback are left out.
+    """
     text = strip_ansi(log)
     found: list[tuple[int, str]] = []
     for m in _HOST.finditer(text):
@@ -100,12 +128,15 @@ def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT)
                 found += [(m.start(), h) for h in re.findall(r"https?://([A-Za-z0-9.-]+)", m.group(1))]
             else:
                 found.append((m.start(), m.group(2) or m.group(3)))
+    if _HTTP_FAILED.search(text):
+        for m in _FETCHED_URL.finditer(text):
+            found.append((m.start(), m.group(1) or m.group(2)))
     for m in _LISTED.finditer(text):  # our own validation message lists them
         found += [(m.start(), h) for h in m.group(1).split(", ")]
     hosts: list[str] = []
     for _, host in sorted(found, key=lambda f: f[0]):
         host = host.rstrip(".")
-        if host not in hosts and host not in reachable and "." in host:
+        if host not in hosts and host not in reachable and "." in host and not _LOCAL.match(host):
             hosts.append(host)
     return hosts
 

@@ -43,15 +43,17 @@ def build_envs(run: Run) -> str:
         run.fs.pipe_file(run.layout.validation(key), json.dumps(value).encode())
 
     t = run.config.tasks
+    log = get_run_logger()
+    log.info("building and validating %d tasks (%d not loaded)", len(tasks), len(errors))
     entries, logs = build_catalog(run.backend, tasks, split, validate=t.validate_tasks, base_images=t.base_images,
                                   fallback_base=t.fallback_base_image or None, cache_get=cache_get,
                                   cache_put=cache_put, build_network=t.build_network,
-                                  registry_mirrors=t.registry_mirrors)
+                                  registry_mirrors=t.registry_mirrors, reference_less=t.reference_less,
+                                  progress=log.info)
     for task_id, text in logs.items():  # build and validation logs, kept next to the catalog
         if text.strip():
             run.fs.pipe_file(run.layout.envs_log(task_id), text.encode())
     uri = run.store_catalog(Catalog(tuple(entries), tuple(errors)))
-    log = get_run_logger()
     log.info("%s", catalog_summary(entries, errors))
     for e in entries:
         if not e.usable:
@@ -71,11 +73,17 @@ def build_envs(run: Run) -> str:
 
 
 def catalog_summary(entries: list[EnvEntry], load_errors: list[str]) -> str:
-    """One line: ``N of M usable, K not loaded`` and the unusable ones by cause (``unreachable_host 3, ...``)."""
+    """One line: ``N of M usable (U unverified reference), K not loaded`` and the unusable ones by cause.
+
+    ``unverified reference``: usable tasks without a reference solution (``validation =
+    "unverified_reference"``), counted apart from those whose solution passed; named only when there are some.
+    """
     causes = Counter(e.cause for e in entries if not e.usable)
     causes.update(classify(f"task folder not loaded: {err}", err)[0] for err in load_errors)
     by_cause = ", ".join(f"{c} {n}" for c, n in causes.most_common())
-    return (f"{sum(e.usable for e in entries)} of {len(entries) + len(load_errors)} usable, "
+    unverified = sum(e.usable and e.validation == "unverified_reference" for e in entries)
+    apart = f" ({unverified} unverified reference)" if unverified else ""
+    return (f"{sum(e.usable for e in entries)} of {len(entries) + len(load_errors)} usable{apart}, "
             f"{len(load_errors)} not loaded" + (f" (unusable by cause: {by_cause})" if by_cause else ""))
 
 

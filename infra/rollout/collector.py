@@ -169,6 +169,12 @@ class _EpisodeIO:
         self.e.prompt_tokens = len(self.e.token_ids)
         self.acquire()
 
+    @property
+    def workdir(self) -> str | None:
+        """The sandbox's working directory, starting the sandbox first (see ``envs.harness.EpisodeIO.workdir``)."""
+        self.acquire()
+        return self.e.sandbox.workdir if self.e.sandbox is not None else None
+
     def acquire(self) -> None:
         """Get the episode's sandbox, for a task that acts in one (a failed start ends the episode)."""
         if self.task.acts_in_sandbox and self.e.sandbox is None and not self.e.done:

@@ -222,7 +222,7 @@ def test_validation_gate_over_real_task_formats(backend, tmp_path):
     by_id = {t.task_id: t for t in tasks}
     cache: dict[str, dict] = {}
     entries, logs = build_catalog(backend, by_id, dict.fromkeys(by_id, "train"), cache_get=cache.get,
-                                  cache_put=cache.__setitem__)
+                                  cache_put=cache.__setitem__, reference_less="unusable")
     got = {e.task_id: e for e in entries}
     for ok in ("harbor/write-greeting", "harbor/fix-median", "tb/csv-column", "code/SimpleCode/0"):
         assert got[ok].usable and got[ok].validation == "passed", (ok, got[ok].reason, logs.get(ok))
@@ -237,7 +237,7 @@ def test_validation_gate_over_real_task_formats(backend, tmp_path):
     backend.start = lambda *a, **k: calls.append(a) or started(*a, **k)
     try:
         again, _ = build_catalog(backend, by_id, dict.fromkeys(by_id, "train"), cache_get=cache.get,
-                                 cache_put=cache.__setitem__)
+                                 cache_put=cache.__setitem__, reference_less="unusable")
     finally:
         backend.start = started
     assert calls == [] and [e.usable for e in again] == [e.usable for e in entries]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from envs.agent import observation, parse_action
 from infra.rollout.chat_tokens import ChatTokens
 
@@ -46,3 +48,18 @@ def test_second_turn_prompt_is_first_turn_plus_sampled_plus_template(tiny_tokeni
     # a turn cut by length (no EOS) gets the full closing
     cut = sampled[:-1]
     assert tiny_tokenizer.decode(first + cut + chat.continuation_ids(cut, "x")).count("<|im_end|>") == 4
+
+
+def test_the_prompt_names_the_working_directory_it_is_given():
+    from envs.agent import SYSTEM_PROMPT, initial_messages, system_prompt
+    from envs.humaneval import load_humaneval
+    from envs.task import Task
+
+    assert "The working directory is /srv." in system_prompt("/srv") and "ls /srv\n" in system_prompt("/srv")
+    assert SYSTEM_PROMPT == system_prompt("/app")
+    task = Task(task_id="tb/x", instruction="do it")
+    assert initial_messages(task, "/")[0]["content"] == system_prompt("/")
+    with pytest.raises(ValueError, match="tb/x: acts in a sandbox"):
+        initial_messages(task)
+    code = load_humaneval(first=1)[0]  # answers once: no sandbox, no working directory
+    assert initial_messages(code)[0]["content"] == "You are an expert Python programmer."

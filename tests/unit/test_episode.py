@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.agent import FORMAT_REMINDER, SYSTEM_PROMPT
+from envs.agent import FORMAT_REMINDER, SYSTEM_PROMPT, system_prompt
 from envs.harbor import HarborTask
 from envs.humaneval import CodeTask
 from envs.task import Task
@@ -272,8 +272,29 @@ def test_a_sandbox_that_fails_to_start_is_an_infra_failure_before_any_generation
     assert (row["outcome"], row["reason"], row["num_turns"]) == ("infra_failure", "sandbox_start_failed", 0)
     assert r.engine.received == [] and (row["min_policy_version"], row["max_policy_version"]) == (-1, -1)
     assert sum(row["loss_mask"]) == 0 and row["completion_tokens"] == 0
-    assert row["prompt_tokens"] == len(row["token_ids"]) > 0  # the opening prompt is in the row, as it was
+    # the sandbox starts before the prompt is made (the prompt names its working directory): none was made
+    assert row["prompt_tokens"] == len(row["token_ids"]) == 0
     assert r.sandboxes.start_attempts == 1 and r.sandboxes.starts == 0
+
+
+def test_the_prompt_names_the_sandboxs_own_working_directory(rig, tmp_path, tiny_tokenizer):
+    """An image without WORKDIR runs commands in ``/``: the prompt says ``/``, not ``/app``."""
+    r = rig([DONE])
+    started = r.sandboxes.start
+
+    def start(*a, **k):
+        box = started(*a, **k)
+        box.workdir = "/"
+        return box
+
+    r.sandboxes.start = start
+    r.run(terminal_task(tmp_path))
+    (first,) = r.engine.episode(0)
+    task = terminal_task(tmp_path)
+    want = (f"<|im_start|>system\n{system_prompt('/')}<|im_end|>\n<|im_start|>user\n{task.instruction}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert first.request.prompt_ids == chatml(tiny_tokenizer, want)
+    assert "The working directory is /." in system_prompt("/") and "ls /\n" in system_prompt("/")
 
 
 def test_an_unreachable_engine_is_an_infra_failure(rig, tmp_path):

@@ -148,3 +148,81 @@ def test_an_unpullable_registry_image_names_the_image_and_its_three_remedies():
     assert cause == "registry_image"  # not unreachable_host, though the message names a host
     assert f"supply {image}" in fix and "docker load -i <file>" in fix
     assert f'tasks.base_images = {{"{image}" = "<local image>"}}' in fix and "tasks.registry_mirrors" in fix
+
+
+# Hosts that answered with an HTTP error, refused a proxy tunnel or failed TLS. Hand-written from the tools'
+# message formats: requests' Response.raise_for_status, httpx's Response.raise_for_status (with its
+# "For more information" line), urllib's HTTPError under pytest's source listing, curl 7.88 under `set -x`,
+# wget 1.21, Go's net/http url.Error.
+REQUESTS_503 = ("    def test_submission_is_graded():\n        r = requests.post(JUDGE, json=load())\n>       "
+                "r.raise_for_status()\nE       requests.exceptions.HTTPError: 503 Server Error: Service Unavailable "
+                "for url: https://judge.example.org/api/v1/grade\n")
+HTTPX_502 = ("E   httpx.HTTPStatusError: Server error '502 Bad Gateway' for url 'https://grader.example.net/submit'\n"
+             "E   For more information check: https://developer.mozilla.org/en-US/docs/Web/HTTP/Status/502\n")
+URLLIB_403 = ("    def test_scores():\n        req = urllib.request.Request(\"https://score.example.com/v2/score\", "
+              "data=body)\n>       with urllib.request.urlopen(req, timeout=30) as resp:\n\n"
+              "/usr/lib/python3.11/urllib/request.py:643: in http_error_default\n"
+              "    raise HTTPError(req.full_url, code, msg, hdrs, fp)\n"
+              "E   urllib.error.HTTPError: HTTP Error 403: Forbidden\n")
+CURL_22 = ("+ curl -fsS -X POST https://judge.example.org/api -d @/app/out.json\n"
+           "curl: (22) The requested URL returned error: 502\n")
+CURL_60 = ("+ curl -sSf https://internal.example.io/check\ncurl: (60) SSL certificate problem: unable to get local "
+           "issuer certificate\nMore details here: https://curl.se/docs/sslcerts.html\n")
+CURL_35 = "curl: (35) OpenSSL SSL_connect: SSL_ERROR_SYSCALL in connection to api.example.io:443 \n"
+CURL_PROXY = ("+ curl -fsS https://models.example.ai/v1/models\ncurl: (56) CONNECT tunnel failed, response 403\n")
+PIP_PROXY = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection "
+             "broken by 'ProxyError('Cannot connect to proxy.', OSError('Tunnel connection failed: 502 Bad "
+             "Gateway'))': /simple/torch/\nERROR: Could not install packages due to an OSError: "
+             "HTTPSConnectionPool(host='download.pytorch.org', port=443): Max retries exceeded with url: /whl/cpu\n")
+WGET_503 = ("--2026-12-03 10:00:00--  https://data.example.org/file.csv\nResolving data.example.org (data.example.org)"
+            "... 93.184.216.34\nConnecting to data.example.org (data.example.org)|93.184.216.34|:443... connected.\n"
+            "HTTP request sent, awaiting response... 503 Service Unavailable\n2026-12-03 10:00:01 ERROR 503: Service "
+            "Unavailable.\n")
+GO_TLS = ('Error: Get "https://registry.example.dev/v2/": tls: failed to verify certificate: x509: certificate '
+          "signed by unknown authority\n")
+REQUESTS_TLS = ("requests.exceptions.SSLError: HTTPSConnectionPool(host='hub.example.com', port=443): Max retries "
+                "exceeded with url: /x (Caused by SSLError(SSLCertVerificationError(1, '[SSL: "
+                "CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer certificate "
+                "(_ssl.c:1006)')))\n")
+
+
+def test_hosts_that_answered_with_an_http_error_or_failed_tls_are_named():
+    assert unreachable_hosts(REQUESTS_503) == ["judge.example.org"]
+    assert unreachable_hosts(HTTPX_502) == ["grader.example.net"]  # not the "more information" link
+    assert unreachable_hosts(URLLIB_403) == ["score.example.com"]
+    assert unreachable_hosts(CURL_22) == ["judge.example.org"]
+    assert unreachable_hosts(CURL_60) == ["internal.example.io"]  # not curl's own documentation link
+    assert unreachable_hosts(CURL_35) == ["api.example.io"]
+    assert unreachable_hosts(CURL_PROXY) == ["models.example.ai"]
+    assert unreachable_hosts(PIP_PROXY) == ["download.pytorch.org"]
+    assert unreachable_hosts(WGET_503) == ["data.example.org"]
+    assert unreachable_hosts(GO_TLS) == ["registry.example.dev"]
+    assert unreachable_hosts(REQUESTS_TLS) == ["hub.example.com"]
+
+
+def test_http_errors_from_reachable_or_local_hosts_name_no_host():
+    # PyPI answering 404, a task's own service on loopback refusing: not egress failures
+    assert unreachable_hosts("requests.exceptions.HTTPError: 404 Client Error: Not Found for url: "
+                             "https://pypi.org/simple/nosuchpkg/") == []
+    assert unreachable_hosts("+ curl -fsS http://127.0.0.1:8000/health\ncurl: (7) Failed to connect to 127.0.0.1 "
+                             "port 8000 after 0 ms: Connection refused\n") == []
+    assert unreachable_hosts("+ curl -fsS http://localhost:5000/api\ncurl: (22) The requested URL returned "
+                             "error: 500\n") == []
+    # a URL fetched without any failure is not named
+    assert unreachable_hosts("+ curl -fsS https://judge.example.org/api\n{\"ok\": true}\n") == []
+
+
+def test_a_reference_run_failing_on_an_external_judge_is_unreachable_host_not_solution_fails():
+    reason = "validation failed: reference solution scored 0.0 (tests_failed): FAILED test_outputs.py::test_graded"
+    cause, fix = classify(reason, REQUESTS_503, "failed")
+    assert cause == "unreachable_host" and fix == "needs judge.example.org, which this machine cannot reach"
+    # reference-less validation: the do-nothing run's message lists the host
+    cause, _ = classify("validation failed: reference-less: do-nothing scored 0.0 (tests_failed) with unreachable "
+                        "host(s) judge.example.org, so the tests' result says nothing: ...", "", "failed")
+    assert cause == "unreachable_host"
+    cause, _ = classify("validation failed: reference-less: the tests gave no result for a do-nothing agent "
+                        "(tests_did_not_run): ERROR: file or directory not found", "", "failed")
+    assert cause == "tests_environment_broken"
+    cause, _ = classify("validation failed: reference-less: a do-nothing agent passes (the tests check nothing)", "",
+                        "failed")
+    assert cause == "do_nothing_passes"
