@@ -30,7 +30,7 @@ DEFAULT_CACHE_PATTERNS = (
 of one is the same bytes every time, so it is cached content-addressed across episodes and runs. Index
 pages (``/simple/<name>/``), apt's ``Release``/``Packages`` lists and anything naming ``latest`` are not."""
 
-_UNVERSIONED = re.compile(r"(?i)(/latest(/|$)|[?&]ref=|/(main|master|HEAD)/)")
+_UNVERSIONED = re.compile(r"(?i)(/latest(/|$)|[?&]ref=|/(resolve|raw|archive|blob|tree)/(main|master|HEAD)[/.])")
 
 
 @dataclass(frozen=True)

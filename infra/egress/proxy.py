@@ -41,7 +41,7 @@ PORTS = range(39000, 39100)
 """Ports the proxy may listen on: the egress network's firewall lets sandboxes reach these on its bridge."""
 CONTAINER_CA = "/etc/agentrl/egress-ca-bundle.pem"
 """Where a sandbox behind the proxy finds the CA bundle it trusts (the machine's plus the proxy's)."""
-_START_TIMEOUT_S = 60.0
+_START_TIMEOUT_S = 180.0  # mitmproxy's imports take 2 s on an idle machine, over a minute on 2 busy cores
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,17 @@ class EgressProxy:
             deadline = time.monotonic() + _START_TIMEOUT_S
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
-                    raise RuntimeError(f"egress proxy exited at start ({self._proc.returncode}): "
-                                       f"{(state / 'mitmdump.log').read_text()[-1500:]}")
+                    text = (state / "mitmdump.log").read_text()[-1500:]
+                    code = self._proc.returncode
+                    self._stop()
+                    raise RuntimeError(f"egress proxy exited at start ({code}): {text}")
                 try:
                     socket.create_connection((self.listen_host, self.port), timeout=1).close()
                     log.info("egress proxy on %s:%d (mitmproxy, state %s)", self.listen_host, self.port, state)
                     return
                 except OSError:
                     time.sleep(0.2)
-            self.close()
+            self._stop()
             raise RuntimeError(f"egress proxy did not listen on {self.listen_host}:{self.port} within "
                                f"{_START_TIMEOUT_S:.0f} s")
 
@@ -193,17 +195,21 @@ class EgressProxy:
     def close(self) -> None:
         """Stop the proxy and remove its sessions and records; idempotent."""
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.terminate()
-                try:
-                    self._proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
-            self._proc = None
-            if self._dir is not None:
-                self._dir.cleanup()
-                self._dir = None
+            self._stop()
+
+    def _stop(self) -> None:
+        """:meth:`close` under the lock its caller holds."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
 
 
 def _free_port(host: str) -> int:

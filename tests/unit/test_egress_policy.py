@@ -1,0 +1,124 @@
+"""The egress rules (infra.egress.policy) and the row's egress columns, on hand-built inputs."""
+
+import pytest
+
+from infra.config import EgressConfig
+from infra.egress.mirrors import folder_file, uv_installer_script
+from infra.egress.policy import (
+    EgressSummary,
+    Mirror,
+    cacheable,
+    host_allowed,
+    match_mirror,
+    record_lines,
+    session_allow,
+)
+from infra.store import egress_columns
+
+
+@pytest.mark.parametrize(("host", "patterns", "allowed"), [
+    ("pypi.org", ("pypi.org",), True),
+    ("PyPI.org.", ("pypi.org",), True),  # case and a trailing dot do not matter
+    ("files.pythonhosted.org", ("*.pythonhosted.org",), True),
+    ("pythonhosted.org", ("*.pythonhosted.org",), False),  # Harbor's *.host means a subdomain
+    ("evil-pypi.org", ("pypi.org",), False),
+    ("anything.example", ("*",), True),
+    ("pypi.org", (), False),
+])
+def test_host_patterns(host, patterns, allowed):
+    assert host_allowed(host, patterns) is allowed
+
+
+def test_session_allow_by_task_setting_phase_and_run_settings():
+    run_allow, agent_allow = ("pypi.org",), ("files.pythonhosted.org",)
+    # a task that allows any host: every phase, unless agent_allow narrows the agent's
+    assert session_allow(None, "agent", run_allow, None)[0] == ("*",)
+    assert session_allow(None, "agent", run_allow, agent_allow)[0] == ("files.pythonhosted.org", "pypi.org")
+    assert session_allow(None, "verifier", run_allow, agent_allow)[0] == ("*",)
+    assert session_allow(None, "build", run_allow, agent_allow)[0] == ("*",)
+    # an allowlisted task: its hosts and the run's, in every phase
+    hosts, policy = session_allow(("api.example.com",), "verifier", run_allow, agent_allow)
+    assert hosts == ("api.example.com", "pypi.org") and "allowlist" in policy
+
+
+@pytest.mark.parametrize(("method", "url", "cached"), [
+    ("GET", "https://files.pythonhosted.org/packages/d9/5a/e7/six-1.16.0-py2.py3-none-any.whl", True),
+    ("GET", "https://astral.sh/uv/0.7.13/install.sh", True),
+    ("GET", "https://astral.sh/uv/install.sh", False),  # no version: whatever is newest
+    ("GET", "https://github.com/astral-sh/uv/releases/download/0.7.13/uv-x86_64-unknown-linux-gnu.tar.gz", True),
+    ("GET", "https://github.com/o/r/releases/latest/download/tool.tar.gz", False),
+    ("GET", "https://huggingface.co/org/m/resolve/0123abc/model.safetensors", True),
+    ("GET", "https://huggingface.co/org/m/resolve/main/config.json", False),  # a branch, not a revision
+    ("GET", "https://pypi.org/simple/six/", False),  # an index page changes
+    ("GET", "http://deb.debian.org/debian/dists/bookworm/Release", False),
+    ("GET", "http://deb.debian.org/debian/pool/main/c/curl/curl_7.88.1-10_amd64.deb", True),
+    ("POST", "https://example.com/x.tar.gz", False),
+    ("GET", "https://example.com/x.tar.gz?sig=1", True),  # the query is not part of the match
+])
+def test_what_is_cached(method, url, cached):
+    assert cacheable(method, url) is cached
+
+
+def test_mirror_matching():
+    uv, hf = Mirror("uv"), Mirror("folder", "https://huggingface.co/", "/data/hf")
+    assert match_mirror("https://astral.sh/uv/0.7.13/install.sh", [uv, hf]) == (
+        uv, {"what": "installer", "version": "0.7.13"})
+    assert match_mirror("https://astral.sh/uv/install.sh", [uv]) == (uv, {"what": "installer"})
+    assert match_mirror("https://github.com/astral-sh/uv/releases/download/0.8.0/uv-aarch64-unknown-linux-musl.tar.gz",
+                        [uv]) == (uv, {"what": "release", "version": "0.8.0", "arch": "aarch64", "libc": "musl"})
+    assert match_mirror("https://huggingface.co/org/m/resolve/abc/config.json?download=1", [uv, hf]) == (
+        hf, {"path": "org/m/resolve/abc/config.json"})
+    assert match_mirror("https://astral.sh/other", [uv, hf]) is None
+
+
+def test_folder_mirror_never_leaves_its_folder(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f.txt").write_text("x")
+    (tmp_path.parent / "secret.txt").write_text("s")
+    assert folder_file(str(tmp_path), "a/f.txt") == b"x"
+    assert folder_file(str(tmp_path), "a/missing") is None
+    assert folder_file(str(tmp_path), "../secret.txt") is None
+    assert folder_file(str(tmp_path), "a/%2e%2e/%2e%2e/secret.txt") is None
+
+
+def test_uv_installer_names_the_version_and_says_a_mirror_served_it():
+    script = uv_installer_script("0.7.13", "https://astral.sh/uv/0.7.13/install.sh").decode()
+    assert script.startswith("#!/bin/sh\n")
+    assert "releases/download/0.7.13/uv-$arch-unknown-linux-$libc.tar.gz" in script
+    assert "served by the uv mirror: uv 0.7.13" in script and "$HOME/.local/bin" in script
+
+
+def test_summary_of_a_record_and_the_rows_columns():
+    records = [
+        {"host": "pypi.org", "url": "https://pypi.org/simple/six/", "status": 200, "bytes": 1000, "source": "upstream"},
+        {"host": "files.pythonhosted.org", "url": "https://f/x.whl", "status": 200, "bytes": 500, "source": "cache"},
+        {"host": "astral.sh", "url": "https://astral.sh/uv/0.7.13/install.sh", "status": 200, "bytes": 2000,
+         "source": "mirror uv"},
+        {"host": "example.com", "url": "https://example.com/", "status": 403, "bytes": 90, "source": "denied"},
+        {"host": "example.com", "url": "https://example.com/b", "status": 403, "bytes": 90, "source": "denied"},
+        {"host": "judge.example", "url": "https://judge.example/submit", "status": 503, "bytes": 10,
+         "source": "upstream"},
+        {"host": "huggingface.co", "url": "https://huggingface.co/x", "status": 502, "bytes": 0, "source": "error"},
+    ]
+    s = EgressSummary.of(records)
+    assert s.requests == 7 and s.bytes == 3690
+    assert s.upstream_bytes == 1000 + 10  # not the cache's, the mirror's or the proxy's own denials
+    assert s.hosts == ["pypi.org", "files.pythonhosted.org", "astral.sh", "example.com", "judge.example",
+                       "huggingface.co"]
+    assert s.denied == ["example.com"] and s.cached == 1
+    assert s.failed == ["judge.example 503", "huggingface.co 502"]
+    assert s.mirrored == ["uv: https://astral.sh/uv/0.7.13/install.sh"]
+    lines = record_lines({"agent": s.__dict__, "verifier": EgressSummary().__dict__})
+    assert lines[0].startswith("[agent] egress: 7 requests") and "[agent] egress denied by policy: example.com" in lines
+    assert not any(line.startswith("[verifier]") for line in lines)  # a phase that sent nothing
+    cols = egress_columns({"agent": s.__dict__})
+    assert cols["egress_agent_requests"] == 7 and cols["egress_agent_denied"] == ["example.com"]
+    assert (cols["egress_verifier_requests"], cols["egress_verifier_hosts"]) == (0, [])
+
+
+def test_egress_config_as_proxy_settings():
+    s = EgressConfig(allow=["pypi.org"], agent_allow=[], mirrors=[{"kind": "uv"},
+                     {"kind": "folder", "prefix": "https://huggingface.co/", "source": "/hf"}]).settings()
+    assert s.allow == ("pypi.org",) and s.agent_allow == ()  # an empty list: the agent reaches no host
+    assert s.mirrors == (Mirror("uv"), Mirror("folder", "https://huggingface.co/", "/hf"))
+    assert EgressConfig().settings().agent_allow is None and EgressConfig().enabled is True
