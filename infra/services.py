@@ -523,7 +523,7 @@ def _ensure_egress_network(client: docker.DockerClient) -> bool:
     """The ``agentrl-egress`` network: no route out, only the egress proxy's ports on its bridge; idempotent.
 
     An ``internal`` Docker bridge (its containers get no default route) whose bridge address
-    (``infra.egress.proxy.EGRESS_GATEWAY``) the egress proxy listens on. INPUT from its subnet is
+    (``infra.egress.proxy.EGRESS_GATEWAY``) the egress proxy listens on. INPUT from its bridge is
     accepted only to the proxy's port range on that address; nothing is forwarded from or to it, so a
     sandbox on it reaches the outside only through the proxy, and no other port of the host.
 
@@ -542,8 +542,9 @@ def _ensure_egress_network(client: docker.DockerClient) -> bool:
             pool_configs=[docker.types.IPAMPool(subnet=EGRESS_SUBNET, gateway=EGRESS_GATEWAY)]),
             options={"com.docker.network.bridge.name": EGRESS_BRIDGE}, labels={"agentrl": "1"})
     try:
-        _iptables_once("filter", "INPUT", ["-s", EGRESS_SUBNET, "-j", "DROP"], insert=True)
-        _iptables_once("filter", "INPUT", ["-s", EGRESS_SUBNET, "-d", EGRESS_GATEWAY, "-p", "tcp", "--dport",
+        # by interface, not source address: the host's own connections to the proxy (builds) come over lo
+        _iptables_once("filter", "INPUT", ["-i", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
+        _iptables_once("filter", "INPUT", ["-i", EGRESS_BRIDGE, "-d", EGRESS_GATEWAY, "-p", "tcp", "--dport",
                                            f"{PORTS.start}:{PORTS.stop - 1}", "-j", "ACCEPT"], insert=True)
         _iptables_once("filter", "FORWARD", ["-i", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
         _iptables_once("filter", "FORWARD", ["-o", EGRESS_BRIDGE, "-j", "DROP"], insert=True)

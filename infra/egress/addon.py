@@ -11,7 +11,8 @@ request without a known token gets ``407``. For https the token comes with ``CON
 the connection. Each request, in order: the policy (a host the session may not reach gets ``403`` with
 a body naming the session's policy), a mirror, the cache, then the outside. The proxy connects
 upstream lazily (``connection_strategy=lazy``), so a host that does not resolve can still be denied
-or mirrored. Every request is one JSON line in ``records_dir/<token>.jsonl``.
+or mirrored. Every request is one JSON line in ``records_dir/<token>.jsonl``. The proxy shuts itself down
+when the process that started it is gone.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class Egress:
         self.sessions: dict[str, Session] = {}
         self.connections: dict[str, str] = {}  # client connection id -> token (from CONNECT)
         self.mirrors: list[Mirror] = []
+
+    def running(self) -> None:  # noqa: D102 - mitmproxy hook
+        self._parent = os.getppid()
+        self._watch = asyncio.get_running_loop().create_task(self._exit_with_parent())
+
+    async def _exit_with_parent(self) -> None:
+        """Shut down once the process that started the proxy is gone (killed runs leave no proxy behind)."""
+        while os.getppid() == self._parent:
+            await asyncio.sleep(1.0)
+        ctx.master.shutdown()
 
     def load(self, loader) -> None:  # noqa: D102 - mitmproxy hook
         loader.add_option("agentrl_config", str, "", "agentrl egress config (JSON file)")
