@@ -20,7 +20,10 @@ install later (``run-tests.sh`` putting uv and pytest into a venv) is not in tha
   ``run-tests.sh`` runs ``uv`` in the WORKDIR, which reuses a ``.venv`` found there); a distribution
   added with a ``[pytest11]`` entry point (a plugin pytest loads by itself);
 - start-up hooks: ``sitecustomize.py``/``usercustomize.py`` added or changed; a ``.pth`` with an
-  ``import`` line whose text, or an added module it imports, names the runner (``RUNNER_TOKENS``);
+  ``import`` line whose text, or an added module it imports, names the runner (``RUNNER_TOKENS``), and
+  one with code that no package install wrote, except the ``_virtualenv.pth`` (``import _virtualenv``)
+  that ``virtualenv`` and ``uv venv`` write into every venv they make (upstream's ``run-tests.sh`` and
+  solutions run ``uv venv``), whose module is still held to ``RUNNER_TOKENS``;
 - a runner command added on ``PATH`` (``RUNNER_COMMANDS``: ``python``, ``pytest``...) or a common
   utility (``UTILITIES``) added in front of one of the same name later on ``PATH``.
 
@@ -238,7 +241,7 @@ def toolchain_findings(changes: Iterable[tuple[str, str]], facts: Facts) -> list
                     f"{site_dir}/{mod}/__init__.py", "") for line in code for mod in re.findall(r"[A-Za-z_]\w*", line))
                 if code and any(t in text + imported for t in RUNNER_TOKENS):
                     flag(path, "start-up .pth runs code that names the test runner")
-                elif code and not ok:
+                elif code and not ok and not (name == "_virtualenv.pth" and code == ["import _virtualenv"]):
                     flag(path, "start-up .pth runs code (not by a package install)")
         if parent in facts.path_dirs and kind in "AC" and not ok:
             target = facts.targets.get(path)

@@ -159,6 +159,20 @@ def test_a_pth_that_runs_code_passes_only_when_recorded_and_silent_about_the_run
     assert paths(toolchain_findings([("A", pth)], Facts(texts={pth: loud}, recorded=frozenset({pth})))) == [pth]
 
 
+def test_the_virtualenv_patch_a_venv_tool_writes_passes_unless_it_names_the_runner():
+    """``uv venv`` (upstream's run-tests.sh and solutions) writes ``_virtualenv.pth`` (``import _virtualenv``) and
+    virtualenv's ``_virtualenv.py`` into every venv, recorded by no package; the same names with a hook do not pass."""
+    venv = "/app/.venv/lib/python3.12/site-packages"
+    pth, mod = f"{venv}/_virtualenv.pth", f"{venv}/_virtualenv.py"
+    honest = '"""Patches that are applied at runtime to the virtual environment."""\nimport os\nimport sys\n'
+    changes = [("A", "/app/.venv"), ("A", pth), ("A", mod)]
+    assert toolchain_findings(changes, Facts(texts={pth: "import _virtualenv\n", mod: honest})) == []
+    hook = honest + "import _pytest.runner\n"
+    assert paths(toolchain_findings(changes, Facts(texts={pth: "import _virtualenv\n", mod: hook}))) == [pth]
+    more = "import _virtualenv\nimport zzhook\n"  # another import line is code like any other
+    assert paths(toolchain_findings(changes, Facts(texts={pth: more, mod: honest}))) == [pth]
+
+
 # -- package records -------------------------------------------------------------------------
 def test_records_map_paths_to_their_hashes():
     data = b"#!/usr/bin/python3\n"
