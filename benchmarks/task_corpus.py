@@ -12,6 +12,10 @@ large images fits the engine's disk.
 reference solution by its do-nothing run alone (usable, marked ``unverified_reference`` and counted
 apart); ``unusable`` makes it ``no_solution``.
 
+Sandboxes and builds go through the egress proxy (``infra.egress``, as ``tasks.egress.enabled``; a
+denied or failed host is in the task's log and named by its cause); ``--mirror uv`` declares the uv
+mirror (uv's installer from PyPI's wheel); ``--no-egress`` reaches the outside directly.
+
 Corpora are folders of task folders; ``checkout`` copies a sub-folder of a fetched git mirror
 (``git archive``) so nothing third-party is committed here (``--remove-solutions`` drops each
 task's reference solution in the copy: the honest stand-in for a task set that ships none)::
@@ -39,6 +43,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from envs.taskset import load_taskset
+from infra.egress.policy import Mirror
+from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy, EgressSettings
 from infra.environments import BASE_IMAGE, EnvEntry, build_catalog
 from infra.sandbox.docker_backend import DockerBackend
 from infra.task_faults import classify
@@ -104,9 +110,22 @@ def checkout(repo: Path, subdir: str, dest: Path, strip_prefix: str = "", sample
 
 
 def run(roots: list[Path], parallel: int, keep_images: bool, build_network: bool,
-        reference_less: str = "usable") -> list[dict]:
-    """Every task of ``roots`` through build and validation, one record per task (or load error)."""
-    backend = DockerBackend()
+        reference_less: str = "usable", egress: EgressSettings | None = None) -> list[dict]:
+    """Every task of ``roots`` through build and validation, one record per task (or load error).
+
+    ``egress``: sandboxes and builds with the network go through the egress proxy with these settings
+    (``infra.egress``, as a run with ``tasks.egress.enabled``); None: they reach the outside directly.
+    """
+    proxy = EgressProxy(EGRESS_GATEWAY, egress) if egress is not None else None
+    try:
+        return _run(DockerBackend(egress=proxy), roots, parallel, keep_images, build_network, reference_less)
+    finally:
+        if proxy is not None:
+            proxy.close()
+
+
+def _run(backend: DockerBackend, roots: list[Path], parallel: int, keep_images: bool, build_network: bool,
+         reference_less: str) -> list[dict]:
     records: list[dict] = []
     for root in roots:
         tasks, errors = load_taskset(root)
@@ -183,6 +202,9 @@ def main() -> None:
     r.add_argument("--keep-images", action="store_true")
     r.add_argument("--offline", action="store_true", help="builds without network (tasks.build_network = false)")
     r.add_argument("--out", type=Path, help="write every record as JSON")
+    r.add_argument("--no-egress", action="store_true", help="sandboxes and builds reach the outside directly")
+    r.add_argument("--mirror", action="append", default=[], choices=("uv",),
+                   help="a declared egress mirror (tasks.egress.mirrors); repeatable")
     r.add_argument("--reference-less", choices=("usable", "unusable"), default="usable",
                    help="a task without a reference solution: validated without one (usable, marked "
                         "unverified_reference) or unusable (no_solution), as tasks.reference_less")
@@ -192,7 +214,8 @@ def main() -> None:
                        args.name_pattern, args.remove_solutions), "task folders")
         return
     t0 = time.perf_counter()
-    records = run(args.roots, args.parallel, args.keep_images, not args.offline, args.reference_less)
+    egress = None if args.no_egress else EgressSettings(mirrors=tuple(Mirror(kind) for kind in args.mirror))
+    records = run(args.roots, args.parallel, args.keep_images, not args.offline, args.reference_less, egress)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1))
     print(summary(records))
