@@ -290,6 +290,20 @@ def _versions(lo: int, hi: int) -> str:
     return f"v{lo}" if lo == hi else f"v{lo}..v{hi}"
 
 
+def _egress_lines(row: dict) -> list[str]:
+    """The header's egress line per phase that sent anything out (``infra.egress``): requests, bytes, hosts, denials."""
+    out = []
+    for phase, who in (("agent", "agent"), ("verifier", "tests")):
+        n = row.get(f"egress_{phase}_requests", 0)
+        if n:
+            denied = row.get(f"egress_{phase}_denied") or []
+            out.append(f"- **egress ({who})** {n} request{'s' if n != 1 else ''}, "
+                       f"{row.get(f'egress_{phase}_bytes', 0) / 1e6:.2f} MB, to "
+                       + ", ".join(inline(h) for h in row.get(f"egress_{phase}_hosts") or [])
+                       + (f"; **denied** {', '.join(inline(h) for h in denied)}" if denied else ""))
+    return out
+
+
 def render_episode(row: dict, decode: Decode, advantage: float | None = None, harness: str = BashFenceHarness.name,
                    markers: ChatMarkers | None = None) -> str:
     """One episode as markdown, model text and outputs in fenced code blocks.
@@ -319,6 +333,7 @@ def render_episode(row: dict, decode: Decode, advantage: float | None = None, ha
         f"step {row['step']}",
         f"- **timings** queue {row['queue_s']:.2f} s, sandbox {row['sandbox_acquire_s']:.2f} s, generation "
         f"{row['generation_s']:.2f} s, tools {row['tool_s']:.2f} s, verify {row['verify_s']:.2f} s",
+        *_egress_lines(row),
         "",
     ]
     instruction = decode_instruction(row, decode, markers)

@@ -43,7 +43,8 @@ def attention(s: dict) -> list[str]:
     was tampered with (``verifier_tampered``); a refused checkpoint (``checkpoint_refused``); groups
     the async collector dropped stale or after infra failures (``groups_dropped`` less
     ``groups_skipped_zero_variance``: dynamic sampling skipping zero-variance groups is its design,
-    named only beside other drops); rows dropped for divergence (``rows_dropped_divergence``).
+    named only beside other drops); rows dropped for divergence (``rows_dropped_divergence``); rows
+    whose egress a policy denied (``egress``).
     """
     out = []
     if not s["optimizer_step"]:
@@ -59,6 +60,10 @@ def attention(s: dict) -> list[str]:
     if s.get("verifier_tampered"):
         out.append(f"verifier tampered with: {s['verifier_tampered']} of {s['rows']} rows (reason `verifier_tampered`: "
                    "the agent changed the verifier's toolchain, tests or reward; scored 0, see the episodes)")
+    egress = s.get("egress") or {}
+    if denied := egress.get("agent_denied_rows", 0) + egress.get("verifier_denied_rows", 0):
+        out.append(f"egress denied: {denied:.0f} of {s['rows']} rows asked for a host their policy does not allow "
+                   "(agent or tests; see the episodes' egress lines, tasks.egress.allow / agent_allow)")
     if s.get("checkpoint_refused"):
         out.append(f"checkpoint refused: {s['checkpoint_refused']}; `{s['checkpoint']}` was not loaded, the "
                    f"engine still serves version {s['policy_version']} (eval skipped)")

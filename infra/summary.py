@@ -23,6 +23,19 @@ EPISODE_PARTS = ("sandbox_acquire_s", "engine_queue_s", "prefill_s", "decode_s",
                  "verify_s", "overhead_s")
 
 
+def egress_totals(rows: list[dict]) -> dict[str, float]:
+    """The step's egress by phase (``agent``, ``verifier``), from the rows' ``egress_*`` columns.
+
+    Keys: ``<phase>_requests``, ``<phase>_bytes``, ``<phase>_denied_rows`` (rows with a request the policy denied).
+    """
+    out: dict[str, float] = {}
+    for phase in ("agent", "verifier"):
+        out[f"{phase}_requests"] = float(sum(r.get(f"egress_{phase}_requests") or 0 for r in rows))
+        out[f"{phase}_bytes"] = float(sum(r.get(f"egress_{phase}_bytes") or 0 for r in rows))
+        out[f"{phase}_denied_rows"] = float(sum(bool(r.get(f"egress_{phase}_denied")) for r in rows))
+    return out
+
+
 def episode_time_split(rows: list[dict]) -> dict[str, float]:
     """Mean seconds per finished episode in each of :data:`EPISODE_PARTS`, and ``episode_s``; {} when none finished.
 
@@ -94,6 +107,8 @@ class RolloutStats:
     failures with reward 0."""
     episode_time_s: dict[str, float] = field(default_factory=dict)
     """The mean episode's wall time by part (:func:`episode_time_split`)."""
+    egress: dict[str, float] = field(default_factory=dict)
+    """What the step's sandboxes sent out through the egress proxy (:func:`egress_totals`)."""
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:
@@ -169,7 +184,7 @@ class StepSummary:
             "step": self.step, "time_to_batch_s": round(b.time_to_batch_s, 2), "reward_mean": round(b.reward_mean, 4),
             "completion_tokens_mean": round(b.completion_tokens_mean, 2), "turns_mean": round(b.turns_mean, 2),
             "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
-            "verifier_tampered": b.verifier_tampered,
+            "verifier_tampered": b.verifier_tampered, "egress": dict(getattr(b, "egress", {})),
             "episode_time_s": {k: round(v, 3) for k, v in getattr(b, "episode_time_s", {}).items()},
             "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
@@ -209,8 +224,8 @@ class StepSummary:
                     out[f"time/{space}_s"] = float(v)
                 elif isinstance(v, bool | int | float) and k != "collected_at":
                     out[f"{space}/{k}"] = float(v)
-                elif isinstance(v, dict) and k in ("scheduling", "outcomes", "metrics"):
-                    prefix = f"{space}/" if k != "outcomes" else f"{space}/outcome/"
+                elif isinstance(v, dict) and k in ("scheduling", "outcomes", "metrics", "egress"):
+                    prefix = {"outcomes": f"{space}/outcome/", "egress": f"{space}/egress_"}.get(k, f"{space}/")
                     out.update({f"{prefix}{kk}": float(vv) for kk, vv in v.items()})
         if self.evaluated.report:
             out.update({f"eval/pass_at_{k}": float(v) for k, v in self.evaluated.report["pass_at_k"].items()})
@@ -244,6 +259,9 @@ def format_summary(s: dict) -> str:
         outcomes += f" infra_reasons({infra}) retried={s.get('retried', 0)}"
     if s.get("verifier_tampered"):
         outcomes += f" tampered={s['verifier_tampered']}"
+    if (egress := s.get("egress") or {}).get("agent_requests") or egress.get("verifier_requests"):
+        outcomes += (f" egress[agent={egress['agent_requests']:.0f} verifier={egress['verifier_requests']:.0f} "
+                     f"denied_rows={egress['agent_denied_rows'] + egress['verifier_denied_rows']:.0f}]")
     pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
     if s.get("eval_delta"):
         pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"

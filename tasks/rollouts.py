@@ -14,7 +14,7 @@ from prefect.assets import add_asset_metadata
 from infra.config import AsyncScheduler, SyncScheduler
 from infra.run import Run
 from infra.store import write_step
-from infra.summary import RolloutStats, episode_time_split
+from infra.summary import RolloutStats, egress_totals, episode_time_split
 from tasks.lineage import as_asset
 from tasks.naming import stage_run_name
 
@@ -88,7 +88,7 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
         completion_tokens_mean=sum(row["completion_tokens"] for row in finished) / max(len(finished), 1),
         turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1),
         verifier_tampered=sum(row["reason"] == "verifier_tampered" for row in rows),
-        episode_time_s=episode_time_split(rows))
+        episode_time_s=episode_time_split(rows), egress=egress_totals(rows))
 
 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,

@@ -122,3 +122,23 @@ def test_egress_config_as_proxy_settings():
     assert s.allow == ("pypi.org",) and s.agent_allow == ()  # an empty list: the agent reaches no host
     assert s.mirrors == (Mirror("uv"), Mirror("folder", "https://huggingface.co/", "/hf"))
     assert EgressConfig().settings().agent_allow is None and EgressConfig().enabled is True
+
+
+def test_step_egress_totals_line_banner_and_episode_header():
+    from infra.episodes import _egress_lines
+    from infra.report import attention
+    from infra.summary import egress_totals
+
+    rows = [egress_columns({"agent": {"requests": 2, "bytes": 3_000_000, "hosts": ["pypi.org", "x.example"],
+                                      "denied": ["x.example"]},
+                            "verifier": {"requests": 5, "bytes": 1_000_000, "hosts": ["astral.sh"], "denied": []}}),
+            egress_columns({})]
+    totals = egress_totals(rows)
+    assert totals == {"agent_requests": 2.0, "agent_bytes": 3e6, "agent_denied_rows": 1.0,
+                      "verifier_requests": 5.0, "verifier_bytes": 1e6, "verifier_denied_rows": 0.0}
+    header = _egress_lines(rows[0])
+    assert header[0] == "- **egress (agent)** 2 requests, 3.00 MB, to `pypi.org`, `x.example`; **denied** `x.example`"
+    assert header[1] == "- **egress (tests)** 5 requests, 1.00 MB, to `astral.sh`" and _egress_lines(rows[1]) == []
+    found = attention({"optimizer_step": True, "rows_with_signal": 1, "rows": 2, "outcomes": {}, "egress": totals})
+    assert found == ["egress denied: 1 of 2 rows asked for a host their policy does not allow (agent or tests; see "
+                     "the episodes' egress lines, tasks.egress.allow / agent_allow)"]
