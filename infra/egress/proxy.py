@@ -54,6 +54,7 @@ class EgressSettings:
         cache: cache versioned artifacts across episodes and runs (in ``egress_home()/cache``).
         cache_patterns: URLs that are versioned artifacts (``infra.egress.policy.cacheable``).
         mirrors: declared substitute sources.
+        cache_dir: where the cache lives; empty: ``egress_home()/cache``, shared by the machine's runs.
     """
 
     allow: tuple[str, ...] = ()
@@ -61,6 +62,7 @@ class EgressSettings:
     cache: bool = True
     cache_patterns: tuple[str, ...] = DEFAULT_CACHE_PATTERNS
     mirrors: tuple[Mirror, ...] = field(default_factory=tuple)
+    cache_dir: str = ""
 
 
 class EgressProxy:
@@ -104,7 +106,7 @@ class EgressProxy:
             upstream_ca = host_bundle()
             s = self.settings
             config = {"sessions_dir": str(state / "sessions"), "records_dir": str(state / "records"),
-                      "cache_dir": str(self.home / "cache") if s.cache else "",
+                      "cache_dir": (s.cache_dir or str(self.home / "cache")) if s.cache else "",
                       "cache_patterns": list(s.cache_patterns), "upstream_ca": str(upstream_ca or ""),
                       "mirrors": [m.__dict__ for m in s.mirrors]}
             (state / "config.json").write_text(json.dumps(config))
