@@ -535,13 +535,8 @@ def _ensure_egress_network(client: docker.DockerClient) -> bool:
 
     from infra.egress.proxy import EGRESS_BRIDGE, EGRESS_GATEWAY, EGRESS_NETWORK, EGRESS_SUBNET, PORTS
 
-    try:
-        client.networks.get(EGRESS_NETWORK)
-    except docker.errors.NotFound:
-        client.networks.create(EGRESS_NETWORK, driver="bridge", internal=True, ipam=docker.types.IPAMConfig(
-            pool_configs=[docker.types.IPAMPool(subnet=EGRESS_SUBNET, gateway=EGRESS_GATEWAY)]),
-            options={"com.docker.network.bridge.name": EGRESS_BRIDGE}, labels={"agentrl": "1"})
-    try:
+    try:  # the rules first: without them the network would reach every port of the host
+
         # by interface, not source address: the host's own connections to the proxy (builds) come over lo
         _iptables_once("filter", "INPUT", ["-i", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
         _iptables_once("filter", "INPUT", ["-i", EGRESS_BRIDGE, "-d", EGRESS_GATEWAY, "-p", "tcp", "--dport",
@@ -549,9 +544,17 @@ def _ensure_egress_network(client: docker.DockerClient) -> bool:
         _iptables_once("filter", "FORWARD", ["-i", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
         _iptables_once("filter", "FORWARD", ["-o", EGRESS_BRIDGE, "-j", "DROP"], insert=True)
     except (subprocess.CalledProcessError, OSError) as e:
-        log.warning("sandboxes behind the egress proxy get no network: iptables failed (%s %s)", e,
+        log.warning("sandboxes behind the egress proxy get no network (the network %s is not created): "
+                    "iptables failed (%s %s)", EGRESS_NETWORK, e,
                     (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip())
         return False
+    try:
+        client.networks.get(EGRESS_NETWORK)
+    except docker.errors.NotFound:
+        client.networks.create(EGRESS_NETWORK, driver="bridge", internal=True, ipam=docker.types.IPAMConfig(
+            pool_configs=[docker.types.IPAMPool(subnet=EGRESS_SUBNET, gateway=EGRESS_GATEWAY)]),
+            options={"com.docker.network.bridge.name": EGRESS_BRIDGE,
+                     "com.docker.network.bridge.enable_icc": "false"}, labels={"agentrl": "1"})
     return True
 
 

@@ -18,19 +18,23 @@ PHASES = ("agent", "verifier", "build")
 task's tests, or an image build."""
 
 DEFAULT_CACHE_PATTERNS = (
-    "https://files.pythonhosted.org/packages/*",
+    "https://files.pythonhosted.org/packages/*",  # PyPI's files: the path holds the file's hash
+    "*.whl",  # a wheel's name holds its version and build (PEP 427), re-uploads are refused
+    "http://*/pool/*.deb", "https://*/pool/*.deb",  # Debian/Ubuntu pool files: name_version_arch
     "https://astral.sh/uv/[0-9]*/install.sh",
-    "https://github.com/*/releases/download/*",
-    "https://objects.githubusercontent.com/*",
-    "https://huggingface.co/*/resolve/*",
+    "https://github.com/*/releases/download/*",  # a release's assets, by tag
+    "https://huggingface.co/*/resolve/" + "[0-9a-f]" * 40 + "/*",  # by 40-hex revision
     "https://registry.npmjs.org/*/-/*.tgz",
-    "*.whl", "*.tar.gz", "*.tgz", "*.tar.xz", "*.tar.bz2", "*.zip", "*.deb", "*.jar", "*.gem", "*.crate",
+    "https://static.crates.io/crates/*",
 )
 """URLs of versioned artifacts (package files, installers, model files by revision): a response to a GET
-of one is the same bytes every time, so it is cached content-addressed across episodes and runs. Index
-pages (``/simple/<name>/``), apt's ``Release``/``Packages`` lists and anything naming ``latest`` are not."""
+of one is the same bytes every time, so it is cached content-addressed across episodes and runs. Not:
+index pages (``/simple/<name>/``), apt's ``Release``/``Packages`` lists, branches and ``latest``, a
+request with ``Authorization`` (a gated file), nor archives in general (``archive/refs/heads/main.zip``
+changes). Redirects are not cached (a release asset's signed, expiring download URL never repeats)."""
 
-_UNVERSIONED = re.compile(r"(?i)(/latest(/|$)|[?&]ref=|/(resolve|raw|archive|blob|tree)/(main|master|HEAD)[/.])")
+_UNVERSIONED = re.compile(r"(?i)(/latest(/|$)|[?&]ref=|/(resolve|raw|archive|blob|tree)/(main|master|HEAD)[/.]|"
+                          r"/refs/heads/)")
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,12 @@ class Session:
         token: the proxy user name (random; the sandbox's ``HTTP_PROXY`` carries it).
         phase: one of :data:`PHASES`.
         label: what it belongs to (task id), named in a denial.
-        allow: host patterns the session may reach; ``("*",)``: every host.
+        allow: host patterns the session may reach; ``("*",)``: every host (but internal addresses, which
+            only a pattern naming the host reaches).
         policy: where ``allow`` came from, in words (``task tb/x: any host``, ``task allowlist`` ...).
+        intercept: TLS is intercepted (policy per URL, cache, mirrors, record per request); False: its
+            client does not trust the proxy's CA (a build from an image we did not make), so its tunnels
+            pass through, checked and recorded per ``CONNECT`` host only.
     """
 
     token: str
@@ -50,6 +58,7 @@ class Session:
     label: str
     allow: tuple[str, ...] = ("*",)
     policy: str = "any host"
+    intercept: bool = True
 
     def allows(self, host: str) -> bool:
         """Whether ``host`` (a name or address, any case) matches one of ``allow``."""
@@ -58,12 +67,13 @@ class Session:
     def to_json(self) -> dict:
         """As stored for the proxy (``sessions/<token>.json``)."""
         return {"token": self.token, "phase": self.phase, "label": self.label, "allow": list(self.allow),
-                "policy": self.policy}
+                "policy": self.policy, "intercept": self.intercept}
 
     @classmethod
     def from_json(cls, data: dict) -> Session:
         """Parse what :meth:`to_json` wrote."""
-        return cls(data["token"], data["phase"], data["label"], tuple(data["allow"]), data.get("policy", ""))
+        return cls(data["token"], data["phase"], data["label"], tuple(data["allow"]), data.get("policy", ""),
+                   data.get("intercept", True))
 
 
 def host_allowed(host: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -143,7 +153,7 @@ def match_mirror(url: str, mirrors: tuple[Mirror, ...] | list[Mirror]) -> tuple[
             for pattern, what in ((UV_INSTALLER, "installer"), (UV_RELEASE, "release")):
                 if hit := pattern.match(bare):
                     return m, {"what": what, **{k: v for k, v in hit.groupdict().items() if v}}
-        elif bare.startswith(m.prefix):
+        elif bare.startswith(m.prefix if m.prefix.endswith("/") else f"{m.prefix}/"):
             return m, {"path": bare[len(m.prefix):]}
     return None
 

@@ -13,6 +13,7 @@ A session is a token (the proxy user name), its phase and allowed hosts, written
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import secrets
@@ -80,6 +81,7 @@ class EgressProxy:
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def running(self) -> bool:
@@ -93,69 +95,85 @@ class EgressProxy:
     def start(self) -> None:
         """Start the proxy unless it runs (see the module docstring)."""
         with self._lock:
-            if self.running:
-                return
-            from envs.harnesses.venv import harness_python
+            self._start()
 
-            python = harness_python("mitmproxy-11.0.2", [MITMPROXY])
-            confdir = ensure_ca(self.home).parent
+    def _start(self) -> None:
+        """:meth:`start` under the lock its caller holds."""
+        if self._closed:
+            raise RuntimeError("egress proxy: closed (its run ended)")
+        if self.running:
+            return
+        from envs.harnesses.venv import harness_python
+
+        python = harness_python("mitmproxy-11.0.2", [MITMPROXY])
+        confdir = ensure_ca(self.home).parent
+        if self._dir is not None:  # it died: its sessions and records stay, sandboxes keep their port
+            log.warning("egress proxy on %s:%d exited (%s); starting it again: %s", self.listen_host, self.port,
+                        self._proc.returncode if self._proc else "?", self.log_tail()[-500:])
+        else:
             self._dir = tempfile.TemporaryDirectory(prefix="agentrl-egress-")
-            state = Path(self._dir.name)
             for sub in ("sessions", "records"):
-                (state / sub).mkdir()
-            upstream_ca = host_bundle()
-            s = self.settings
-            config = {"sessions_dir": str(state / "sessions"), "records_dir": str(state / "records"),
-                      "cache_dir": (s.cache_dir or str(self.home / "cache")) if s.cache else "",
-                      "cache_patterns": list(s.cache_patterns), "upstream_ca": str(upstream_ca or ""),
-                      "mirrors": [m.__dict__ for m in s.mirrors]}
-            (state / "config.json").write_text(json.dumps(config))
-            repo = Path(__file__).resolve().parents[2]
-            self.port = _free_port(self.listen_host)
-            argv = [str(python.parent / "mitmdump"), "-q", "--listen-host", self.listen_host, "-p", str(self.port),
-                    "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy",
-                    "--set", "stream_large_bodies=512m", "--set", f"agentrl_config={state / 'config.json'}",
-                    "-s", str(Path(__file__).with_name("addon.py"))]
-            if upstream_ca:
-                argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
-            log_file = open(state / "mitmdump.log", "w")  # noqa: SIM115 - the process writes it until close
-            self._proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo),
-                                               "HOME": str(self.home)}, start_new_session=True)
-            log_file.close()
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    text = (state / "mitmdump.log").read_text()[-1500:]
-                    code = self._proc.returncode
-                    self._stop()
-                    raise RuntimeError(f"egress proxy exited at start ({code}): {text}")
-                try:
-                    socket.create_connection((self.listen_host, self.port), timeout=1).close()
-                    log.info("egress proxy on %s:%d (mitmproxy, state %s)", self.listen_host, self.port, state)
-                    return
-                except OSError:
-                    time.sleep(0.2)
-            self._stop()
-            raise RuntimeError(f"egress proxy did not listen on {self.listen_host}:{self.port} within "
-                               f"{_START_TIMEOUT_S:.0f} s")
+                (Path(self._dir.name) / sub).mkdir()
+        state = Path(self._dir.name)
+        upstream_ca = host_bundle()
+        s = self.settings
+        config = {"sessions_dir": str(state / "sessions"), "records_dir": str(state / "records"),
+                  "cache_dir": (s.cache_dir or str(self.home / "cache")) if s.cache else "",
+                  "cache_patterns": list(s.cache_patterns), "upstream_ca": str(upstream_ca or ""),
+                  "mirrors": [m.__dict__ for m in s.mirrors]}
+        (state / "config.json").write_text(json.dumps(config))
+        repo = Path(__file__).resolve().parents[2]
+        self.port = self.port or _free_port(self.listen_host)
+        # rawtcp off: a tunnel that does not speak HTTP (ssh to port 443) is an error, never passed through
+        argv = [str(python.parent / "mitmdump"), "-q", "--listen-host", self.listen_host, "-p", str(self.port),
+                "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy", "--set", "rawtcp=false",
+                "--set", f"agentrl_config={state / 'config.json'}",
+                "-s", str(Path(__file__).with_name("addon.py"))]
+        if upstream_ca:
+            argv += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+        log_file = open(state / "mitmdump.log", "w")  # noqa: SIM115 - the process writes it until close
+        self._proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                      env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo),
+                                           "HOME": str(self.home)}, start_new_session=True)
+        log_file.close()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                text = (state / "mitmdump.log").read_text()[-1500:]
+                code = self._proc.returncode
+                self._stop()
+                raise RuntimeError(f"egress proxy exited at start ({code}): {text}")
+            try:
+                socket.create_connection((self.listen_host, self.port), timeout=1).close()
+                log.info("egress proxy on %s:%d (mitmproxy, state %s)", self.listen_host, self.port, state)
+                return
+            except OSError:
+                time.sleep(0.2)
+        self._stop()
+        raise RuntimeError(f"egress proxy did not listen on {self.listen_host}:{self.port} within "
+                           f"{_START_TIMEOUT_S:.0f} s")
 
-    def session(self, phase: str, label: str, task_hosts: tuple[str, ...] | None) -> Session:
+    def session(self, phase: str, label: str, task_hosts: tuple[str, ...] | None, intercept: bool = True) -> Session:
         """A new session for one sandbox phase or build (the proxy is started if it is not running).
 
         Args:
             phase: ``agent``, ``verifier`` or ``build``.
             label: the task id (named in denials).
             task_hosts: None for a task that allows any host, else its allowlist.
+            intercept: the client trusts the proxy's CA (see ``Session.intercept``).
+
+        Raises:
+            RuntimeError: the proxy is closed, or could not start.
         """
-        self.start()
         allow, policy = session_allow(task_hosts, phase, self.settings.allow, self.settings.agent_allow)
-        s = Session(secrets.token_hex(16), phase, label, allow, policy)
-        assert self._dir is not None
-        path = Path(self._dir.name) / "sessions" / f"{s.token}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(s.to_json()))
-        tmp.replace(path)
+        s = Session(secrets.token_hex(16), phase, label, allow, policy, intercept)
+        with self._lock:
+            self._start()
+            assert self._dir is not None
+            path = Path(self._dir.name) / "sessions" / f"{s.token}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(s.to_json()))
+            tmp.replace(path)
         return s
 
     def proxy_url(self, session: Session, host: str | None = None) -> str:
@@ -197,6 +215,7 @@ class EgressProxy:
     def close(self) -> None:
         """Stop the proxy and remove its sessions and records; idempotent."""
         with self._lock:
+            self._closed = True
             self._stop()
 
     def _stop(self) -> None:
@@ -225,6 +244,9 @@ def _free_port(host: str) -> int:
             try:
                 s.bind((host, port))
                 return port
-            except OSError:
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise RuntimeError(f"egress proxy: {host} is no address of this machine: the agentrl-egress "
+                                       "network's bridge is missing (run `python -m infra.services up`)") from e
                 continue
     raise RuntimeError(f"egress proxy: no free port in {PORTS.start}-{PORTS.stop - 1} on {host}")

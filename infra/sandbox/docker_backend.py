@@ -311,7 +311,14 @@ class DockerBackend:
             return tag, False, note
         except docker.errors.ImageNotFound:
             pass
-        session = self.egress.session("build", name, None) if network and self.egress is not None else None
+        session = None
+        if network and self.egress is not None:
+            # TLS is intercepted only where every image the build starts from trusts the proxy's CA (ours)
+            ours = all(self._trusts_egress_ca(image) for image in _from_images(mapped_text) if image != "scratch")
+            try:
+                session = self.egress.session("build", name, None, intercept=ours)
+            except RuntimeError as e:
+                raise docker.errors.BuildError(f"egress proxy: {e}", []) from e
         # Docker's predefined proxy build arguments: RUN steps see them, the image and its cache key do not
         buildargs = {k: v for k, v in self.egress.env(session).items() if "proxy" in k.lower()} if session else None
         try:
@@ -324,6 +331,16 @@ class DockerBackend:
             raise
         egress = "".join(f"{line}\n" for line in self._egress_lines(session)) if session else ""
         return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log)) + egress
+
+    def _trusts_egress_ca(self, image: str) -> bool:
+        """Whether ``image`` is one of the project's base images (they trust the egress proxy's CA)."""
+        try:
+            labels = self.client.images.get(image).labels or {}
+        except docker.errors.DockerException:
+            return False
+        from infra.services import CA_LABEL
+
+        return bool(labels.get("agentrl.base.ca_sha256") or labels.get(CA_LABEL))
 
     def _egress_lines(self, session: Session) -> list[str]:
         """The egress record of a build, as log lines (empty when it sent nothing out)."""
@@ -540,6 +557,9 @@ class DockerBackend:
         container = None
         start_id = uuid.uuid4().hex  # finds the container if the engine created it but the reply was lost
         if services is not None:
+            if network and egress_hosts is not None:
+                raise SandboxInfraError("sandbox_start_failed", f"{image}: a multi-service task cannot have an "
+                                        "allowlist (compose sandboxes do not go through the egress proxy)")
             return self._start_compose(image, labels, cpus, mem, network, services, start_id)
         sessions: dict[str, Session] = {}
         environment = None
@@ -796,7 +816,8 @@ class DockerSandbox:
         name = f"{self._execs}.out"
         argv = ["sh", "-c", _EXEC_WRAPPER, f"{timeout_s:g}", command, name]
         if self.phase != "agent" and self.phase in self.egress_sessions and self.egress is not None:
-            env = {**self.egress.env(self.egress_sessions[self.phase]), **(env or {})}
+            # the phase's proxy variables win over the caller's (the agent shell's exports carry the agent's)
+            env = {**(env or {}), **self.egress.env(self.egress_sessions[self.phase])}
         exit_code = self._run_detached(argv, workdir or self.workdir, env)
         duration_s = time.monotonic() - start
         read = ["head", "-c", str(output_limit_bytes), f"{_EXEC_DIR}/{name}"]

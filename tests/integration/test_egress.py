@@ -6,6 +6,7 @@ answered by it (a denial, the cache, a mirror); nothing is sent to any other add
 
 import hashlib
 import json
+import os
 import ssl
 import urllib.request
 from pathlib import Path
@@ -68,10 +69,13 @@ def test_allowlisted_sandbox_reaches_its_hosts_only_through_the_proxy_and_each_p
     box = egress_backend.start(BASE_IMAGE, {"agentrl.task": "harbor/allowlisted"}, network=True,
                                egress_hosts=("pypi.org",))
     try:
-        allowed, denied = fetch(box, "https://pypi.org/simple/six/", "https://deb.debian.org/debian/")
+        allowed, denied, plain = fetch(box, "https://pypi.org/simple/six/", "https://deb.debian.org/debian/",
+                                       "http://deb.debian.org/debian/")
         assert allowed.startswith("200 ")
-        assert denied.startswith("403 ") and "host deb.debian.org is not allowed for harbor/allowlisted" in denied
-        assert "the task's allowlist" in denied and "allowed: pypi.org" in denied
+        assert denied.startswith("error URLError") and "Tunnel connection failed: 403" in denied  # at CONNECT
+        # a plain-http request gets the body that names the policy
+        assert plain.startswith("403 ") and "host deb.debian.org is not allowed for harbor/allowlisted" in plain
+        assert "the task's allowlist" in plain and "allowed: pypi.org" in plain
         # the sandbox has no way out but the proxy: without the proxy variables nothing is reached
         (direct,) = fetch(box, "https://pypi.org/simple/six/",
                           env={"HTTPS_PROXY": "", "https_proxy": "", "ALL_PROXY": "", "all_proxy": ""})
@@ -83,10 +87,30 @@ def test_allowlisted_sandbox_reaches_its_hosts_only_through_the_proxy_and_each_p
     finally:
         box.close()
     agent, verifier = record["agent"], record["verifier"]
-    assert (agent["requests"], agent["hosts"], agent["denied"]) == (2, ["pypi.org", "deb.debian.org"],
+    assert (agent["requests"], agent["hosts"], agent["denied"]) == (3, ["pypi.org", "deb.debian.org"],
                                                                    ["deb.debian.org"])
     assert (verifier["requests"], verifier["hosts"], verifier["denied"]) == (1, ["pypi.org"], [])
     assert agent["bytes"] > 0 and verifier["bytes"] > 0
+
+
+def test_the_proxy_reaches_no_internal_address_and_tunnels_only_web_ports(egress_backend):
+    """A task that allows any host still reaches neither this machine's own services (the S3 server on
+    loopback, the egress bridge's address) nor a tunnel to another port than 80 or 443."""
+    s3 = os.environ["AGENTRL_S3_ENDPOINT"]
+    box = egress_backend.start(BASE_IMAGE, {"agentrl.task": "tb/any-host"}, network=True)
+    try:
+        loopback, bridge = fetch(box, f"{s3}/", f"http://{EGRESS_GATEWAY}:{egress_backend.egress.port}/")
+        tunnel = box.exec("python3 -c \"import http.client, os, urllib.parse; p = urllib.parse.urlsplit("
+                          "os.environ['HTTPS_PROXY']); c = http.client.HTTPConnection(p.hostname, p.port, timeout=30); "
+                          "c.set_tunnel('pypi.org', 22, headers={'Proxy-Authorization': 'Basic ' + __import__('base64')"
+                          ".b64encode(f'{p.username}:x'.encode()).decode()}); c.connect()\"", timeout_s=60)
+        record = box.egress_record()["agent"]
+    finally:
+        box.close()
+    for line in (loopback, bridge):
+        assert line.startswith("502 ") and "internal address" in line, line
+    assert tunnel.exit_code != 0 and "403" in tunnel.output, tunnel.output
+    assert record["requests"] == 3 and record["denied"] == ["pypi.org"]
 
 
 def test_agent_allow_keeps_an_agent_whose_task_allows_any_host_from_other_hosts(services_env):

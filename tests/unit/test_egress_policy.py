@@ -47,13 +47,16 @@ def test_session_allow_by_task_setting_phase_and_run_settings():
     ("GET", "https://astral.sh/uv/install.sh", False),  # no version: whatever is newest
     ("GET", "https://github.com/astral-sh/uv/releases/download/0.7.13/uv-x86_64-unknown-linux-gnu.tar.gz", True),
     ("GET", "https://github.com/o/r/releases/latest/download/tool.tar.gz", False),
-    ("GET", "https://huggingface.co/org/m/resolve/0123abc/model.safetensors", True),
+    ("GET", "https://huggingface.co/org/m/resolve/0123456789abcdef0123456789abcdef01234567/model.safetensors", True),
+    ("GET", "https://huggingface.co/org/m/resolve/v1.0/model.safetensors", False),  # a tag can move
     ("GET", "https://huggingface.co/org/m/resolve/main/config.json", False),  # a branch, not a revision
     ("GET", "https://pypi.org/simple/six/", False),  # an index page changes
     ("GET", "http://deb.debian.org/debian/dists/bookworm/Release", False),
     ("GET", "http://deb.debian.org/debian/pool/main/c/curl/curl_7.88.1-10_amd64.deb", True),
-    ("POST", "https://example.com/x.tar.gz", False),
-    ("GET", "https://example.com/x.tar.gz?sig=1", True),  # the query is not part of the match
+    ("POST", "https://example.com/x-1.0-py3-none-any.whl", False),
+    ("GET", "https://example.com/x-1.0-py3-none-any.whl?sig=1", True),  # the query is not part of the match
+    ("GET", "https://github.com/o/r/archive/refs/heads/main.tar.gz", False),  # a branch's archive changes
+    ("GET", "https://example.com/nightly.zip", False),
 ])
 def test_what_is_cached(method, url, cached):
     assert cacheable(method, url) is cached
