@@ -208,7 +208,8 @@ def validate_task(backend: DockerBackend, task: Task, image: str, reference_less
     idle = run(False)
     if idle.outcome == Outcome.SUCCESS:
         return False, "a do-nothing agent passes (the tests check nothing the agent must do)"
-    return True, f"reference solution passes; do-nothing scores {idle.reward} ({idle.reason})"
+    egress = [line for line in solved.log.splitlines() if line.startswith(("[agent] egress", "[verifier] egress"))]
+    return True, "\n".join([f"reference solution passes; do-nothing scores {idle.reward} ({idle.reason})", *egress])
 
 
 def _validate_reference_less(idle: Verdict) -> tuple[bool, str]:

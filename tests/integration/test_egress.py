@@ -99,7 +99,8 @@ def test_the_proxy_reaches_no_internal_address_and_tunnels_only_web_ports(egress
     s3 = os.environ["AGENTRL_S3_ENDPOINT"]
     box = egress_backend.start(BASE_IMAGE, {"agentrl.task": "tb/any-host"}, network=True)
     try:
-        loopback, bridge = fetch(box, f"{s3}/", f"http://{EGRESS_GATEWAY}:{egress_backend.egress.port}/")
+        loopback, bridge = fetch(box, f"{s3}/", f"http://{EGRESS_GATEWAY}:{egress_backend.egress.port}/",
+                                 env={"NO_PROXY": "", "no_proxy": ""})  # asked of the proxy, not the sandbox's lo
         tunnel = box.exec("python3 -c \"import http.client, os, urllib.parse; p = urllib.parse.urlsplit("
                           "os.environ['HTTPS_PROXY']); c = http.client.HTTPConnection(p.hostname, p.port, timeout=30); "
                           "c.set_tunnel('pypi.org', 22, headers={'Proxy-Authorization': 'Basic ' + __import__('base64')"
