@@ -248,8 +248,9 @@ class Egress:
             await self._mirror(flow, *hit)
             if flow.response is not None or flow.metadata.get("agentrl_mirror"):
                 return
-        if self.config.get("cache_dir") and cacheable(flow.request.method, url, self.config["cache_patterns"]):
-            cached = self._cache_get(url)
+        if (self.config.get("cache_dir") and "Range" not in flow.request.headers
+                and cacheable(flow.request.method, url, self.config["cache_patterns"])):
+            cached = self._cache_get(url)  # (a range request goes out: a whole body is not what it asked for)
             if cached is not None:
                 flow.response = self._replay(*cached, "cache")
                 self._record(flow, "cache")
