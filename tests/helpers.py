@@ -57,3 +57,23 @@ def asset_events(uri: str, timeout_s: float = 20.0) -> list[dict]:
 def related_assets(event: dict) -> set[str]:
     """The assets an asset event names as its upstream."""
     return {r["prefect.resource.id"] for r in event["related"] if r.get("prefect.resource.role") == "asset"}
+
+
+def run_scripted_episode(backend, tokenizer, task, entry, replies: list[str],
+                         max_turns: int = 5) -> tuple[dict, object]:
+    """One episode of the built-in agent with scripted ``replies`` on ``task`` in ``entry``'s image (a real
+    sandbox of ``backend``); returns (its row, the scripted engine)."""
+    from infra.environments import BASE_IMAGE
+    from infra.rollout.collector import Collector, CollectSettings
+    from infra.rollout.scheduler import EpisodeJob
+    from tests.fakes import ScriptedEngine
+
+    engine = ScriptedEngine(tokenizer, replies, max_model_len=4096)
+    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=96, max_turns=max_turns,
+                               seed=0, max_infra_retries=0)
+    c = Collector(engine, backend, settings, code_image=BASE_IMAGE)
+    c.bind("run", 0, {task.task_id: (entry.image, entry.image_digest)})
+    try:
+        return c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0)), engine
+    finally:
+        c.close()

@@ -18,10 +18,8 @@ from infra.egress.ca import egress_home, host_bundle
 from infra.egress.policy import Mirror
 from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy, EgressSettings
 from infra.environments import BASE_IMAGE, build_catalog
-from infra.rollout.collector import Collector, CollectSettings
-from infra.rollout.scheduler import EpisodeJob
 from infra.store import validate_rows
-from tests.fakes import ScriptedEngine
+from tests.helpers import run_scripted_episode
 
 pytestmark = pytest.mark.integration
 
@@ -202,16 +200,8 @@ def test_real_task_whose_tests_install_uv_from_astral_sh_validates_through_the_u
     assert "egress: " in log and "archive.ubuntu.com" in log  # the build's apt-get, through the proxy
     assert "[verifier] egress served by mirror uv: https://astral.sh/uv/0.7.13/install.sh" in log
 
-    engine = ScriptedEngine(tiny_tokenizer, ["```bash\ncurl -s -o /dev/null -w '%{http_code}' "
-                                             "https://pypi.org/simple/six/\n```", "DONE"], max_model_len=4096)
-    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=96, max_turns=3,
-                               seed=0, max_infra_retries=0)
-    c = Collector(engine, egress_backend, settings, code_image=BASE_IMAGE)
-    c.bind("run", 0, {task.task_id: (entry.image, entry.image_digest)})
-    try:
-        row = c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0))
-    finally:
-        c.close()
+    row, _ = run_scripted_episode(egress_backend, tiny_tokenizer, task, entry, [
+        "```bash\ncurl -s -o /dev/null -w '%{http_code}' https://pypi.org/simple/six/\n```", "DONE"], max_turns=3)
     validate_rows([row])
     assert (row["egress_agent_requests"], row["egress_agent_hosts"], row["egress_agent_denied"]) == (1, ["pypi.org"],
                                                                                                    [])

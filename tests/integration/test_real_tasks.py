@@ -5,11 +5,9 @@ from pathlib import Path
 import pytest
 
 from envs.taskset import load_taskset
-from infra.environments import BASE_IMAGE, build_catalog
-from infra.rollout.collector import Collector, CollectSettings
-from infra.rollout.scheduler import EpisodeJob
+from infra.environments import build_catalog
 from infra.store import validate_rows
-from tests.fakes import ScriptedEngine
+from tests.helpers import run_scripted_episode
 
 pytestmark = pytest.mark.integration
 
@@ -75,15 +73,7 @@ def test_built_in_agent_keeps_its_shell_across_turns_on_a_real_task(backend, tin
                "```bash\necho \"cwd=$(pwd) dir=$SPK_DIR\" && ls -d turn1 && cd \"$SPK_DIR\" && echo 2 > turn2.txt\n```",
                "```bash\ncat /app/turn2.txt && pwd\n```",
                "DONE"]
-    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=4096)
-    settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=96, max_turns=5,
-                               seed=0, max_infra_retries=0)
-    c = Collector(engine, backend, settings, code_image=BASE_IMAGE)
-    c.bind("run", 0, {task.task_id: (entry.image, entry.image_digest)})
-    try:
-        row = c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0))
-    finally:
-        c.close()
+    row, engine = run_scripted_episode(backend, tiny_tokenizer, task, entry, replies)
     validate_rows([row])
     assert len(row["commands"]) == 3 and row["agent_end"] == "done"
     seen = [tiny_tokenizer.decode(r.request.prompt_ids) for r in engine.received]
