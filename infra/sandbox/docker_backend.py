@@ -320,7 +320,8 @@ class DockerBackend:
             except RuntimeError as e:
                 raise docker.errors.BuildError(f"egress proxy: {e}", []) from e
         # Docker's predefined proxy build arguments: RUN steps see them, the image and its cache key do not
-        buildargs = {k: v for k, v in self.egress.env(session).items() if "proxy" in k.lower()} if session else None
+        buildargs = ({k: v for k, v in self.egress.env(session).items()
+                      if k.lower() in ("http_proxy", "https_proxy", "no_proxy")} if session else None)
         try:
             _, log = self.client.images.build(fileobj=io.BytesIO(raw), custom_context=True, tag=tag,
                                               dockerfile=dockerfile, network_mode="host" if network else "none",
