@@ -14,7 +14,8 @@ Here the same file runs with an override file written per sandbox (:func:`overri
   and the host drops new connections from their bridges (``infra.services.HOST_BLOCK_RULE``: dockerd
   runs without iptables, so an internal bridge's host side would answer; no rule, no start); with
   ``network`` the services also join ``agentrl-internet`` (the outside, not the host), as
-  upstream's bridge gives them the internet;
+  upstream's bridge gives them the internet, or, with the egress proxy, ``agentrl-egress`` with the
+  agent session's proxy variables and the proxy's CA bundle mounted read-only (``infra.egress``);
 - the logs folders upstream binds (``T_BENCH_TASK_LOGS_PATH``...) are fresh per sandbox and
   removed with it.
 
@@ -57,7 +58,7 @@ def service_names(services: ComposeServices) -> list[str]:
 
 
 def override(services: ComposeServices, tags: dict[str, str], labels: dict[str, str], main: dict,
-             network: bool, network_name: str) -> dict:
+             network: bool, network_name: str, egress_env: dict[str, str] | None = None) -> dict:
     """The override file's content (see the module docstring).
 
     Args:
@@ -66,7 +67,9 @@ def override(services: ComposeServices, tags: dict[str, str], labels: dict[str, 
         labels: labels every container gets.
         main: extra keys for the agent's service (limits, tmpfs, ...).
         network: the services also join ``network_name``.
-        network_name: the bridge to the outside (``agentrl-internet``).
+        network_name: the bridge to the outside (``agentrl-internet``, or ``agentrl-egress``).
+        egress_env: with ``agentrl-egress``: the proxy variables every service gets, and under
+            ``agentrl_ca_bundle`` the host path of the CA bundle mounted where they point.
     """
     spec = yaml.safe_load(services.file.read_text()) or {}
     out: dict = {"services": {}, "networks": {}}
@@ -82,11 +85,25 @@ def override(services: ComposeServices, tags: dict[str, str], labels: dict[str, 
         nets = list(nets) if isinstance(nets, list) else list(nets.keys())
         entry: dict = {"image": tags[name], "labels": dict(labels),
                        "networks": nets + ([network_name] if network else [])}
+        if network and egress_env:
+            env = {k: v for k, v in egress_env.items() if k != "agentrl_ca_bundle"}
+            siblings = ",".join(spec.get("services") or {})  # the project's services talk directly, not via the proxy
+            env.update({k: f"{env[k]},{siblings}" for k in ("NO_PROXY", "no_proxy")})
+            entry["environment"] = {**_environment(service), **env}
+            entry["volumes"] = [f"{egress_env['agentrl_ca_bundle']}:{env['SSL_CERT_FILE']}:ro"]
         if name == services.main:
             entry.update({"init": True, "command": ["sleep", "infinity"], "cap_drop": ["ALL"],
                           "cap_add": list(AGENT_CAPABILITIES), "security_opt": ["no-new-privileges"], **main})
         out["services"][name] = entry
     return out
+
+
+def _environment(service: dict | None) -> dict[str, str]:
+    """A compose service's own ``environment`` as a mapping (compose accepts a list of ``K=V`` too)."""
+    env = (service or {}).get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
 @functools.cache  # checked once per process
@@ -144,7 +161,7 @@ class ComposeProject:
 
 def start_project(client: docker.DockerClient, services: ComposeServices, tags: dict[str, str],
                   labels: dict[str, str], main: dict, network: bool, network_name: str,
-                  state_dir: Path | None) -> tuple[ComposeProject, object]:
+                  state_dir: Path | None, egress_env: dict[str, str] | None = None) -> tuple[ComposeProject, object]:
     """``docker-compose up -d --no-build`` of the task's file and its override.
 
     Returns:
@@ -169,8 +186,8 @@ def start_project(client: docker.DockerClient, services: ComposeServices, tags: 
            "T_BENCH_TASK_LOGS_PATH": str(work / "logs"), "T_BENCH_CONTAINER_LOGS_PATH": TB_CONTAINER_LOGS,
            "T_BENCH_TASK_AGENT_LOGS_PATH": str(work / "agent-logs"),
            "T_BENCH_CONTAINER_AGENT_LOGS_PATH": TB_CONTAINER_AGENT_LOGS}
-    (work / "override.yaml").write_text(yaml.safe_dump(override(services, tags, labels, main, network, network_name),
-                                                       sort_keys=False))
+    (work / "override.yaml").write_text(yaml.safe_dump(override(services, tags, labels, main, network, network_name,
+                                                                egress_env), sort_keys=False))
     project = ComposeProject(services, client, work, env)
     try:
         r = _compose(project.args("up", "-d", "--no-build"), env, UP_TIMEOUT_S)

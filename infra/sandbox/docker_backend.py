@@ -487,6 +487,11 @@ class DockerBackend:
 
     def _start_compose(self, image: str, labels: dict[str, str], cpus: float | None, mem: str | None,
                        network: bool, services: ComposeServices, start_id: str) -> DockerSandbox:
+        """A multi-service task's project (``infra.sandbox.compose``).
+
+        With the network and an egress proxy, every service joins ``agentrl-egress`` with the agent session's
+        proxy variables and CA bundle (mounted read-only).
+        """
         from infra.sandbox import compose
 
         tags = {name: image if name == services.main else compose.service_image(image, name)
@@ -502,10 +507,22 @@ class DockerBackend:
         if cpus or self.nano_cpus:
             main["cpus"] = cpus or self.nano_cpus / 1e9
         all_labels = {LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}
+        sessions: dict[str, Session] = {}
+        egress_env: dict[str, str] = {}
+        if network and self.egress is not None:
+            label = labels.get("agentrl.task") or labels.get("agentrl.validate") or image
+            try:
+                sessions = {p: self.egress.session(p, label, None) for p in ("agent", "verifier")}
+                egress_env = {**self.egress.env(sessions["agent"]),
+                              "agentrl_ca_bundle": str(self.egress.ca_bundle())}
+            except RuntimeError as e:
+                raise SandboxInfraError("sandbox_start_failed", f"{image}: egress proxy: {e}") from e
         project, container = compose.start_project(self.client, services, tags, all_labels, main, network,
-                                                   INTERNET_NETWORK, self.state_dir)
+                                                   EGRESS_NETWORK if sessions else INTERNET_NETWORK, self.state_dir,
+                                                   egress_env)
         box = ComposeSandbox(container, self._leftovers, project)
         box.workdir = (container.attrs.get("Config") or {}).get("WorkingDir") or "/"
+        box.egress, box.egress_sessions = (self.egress, sessions) if sessions else (None, {})
         try:
             box._main_pids()
         except SandboxInfraError:
@@ -547,8 +564,8 @@ class DockerBackend:
                 ``disk_quota`` (a btrfs engine); else only ``/tmp`` is bounded.
             services: a multi-service task's compose project (``infra.sandbox.compose``): ``image``
                 runs as its agent's service, the others beside it (built by :meth:`build_services`);
-                the sandbox's ``close`` takes the project down. No disk limit then, and no egress proxy
-                (its services keep their compose networks).
+                the sandbox's ``close`` takes the project down. No disk limit then; with the network and
+                an egress proxy every service goes out through it under the agent's session (no allowlist).
             egress_hosts: with the network and an egress proxy: the hosts the task allows (None: any).
 
         Raises:

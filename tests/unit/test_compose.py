@@ -51,3 +51,20 @@ def test_network_adds_the_outside_bridge_to_every_service(tmp_path):
     assert out["networks"]["agentrl-internet"] == {"external": True}
     assert out["services"]["client"]["networks"] == ["app-network", "agentrl-internet"]
     assert out["services"]["cache"]["networks"] == ["default", "agentrl-internet"]
+
+
+def test_behind_the_egress_proxy_every_service_gets_the_proxy_its_siblings_direct(tmp_path):
+    text = COMPOSE.replace("    ports: [\"8000\"]\n", "    ports: [\"8000\"]\n    environment: [\"MODE=prod\"]\n")
+    s = _services(tmp_path, text)
+    egress = {"HTTPS_PROXY": "http://tok:x@172.31.251.1:39000", "NO_PROXY": "localhost", "no_proxy": "localhost",
+              "SSL_CERT_FILE": "/etc/agentrl/egress-ca-bundle.pem", "agentrl_ca_bundle": "/cache/ca-bundle.pem"}
+    out = override(s, {n: n for n in service_names(s)}, {}, {}, True, "agentrl-egress", egress)
+    server = out["services"]["server"]
+    assert server["networks"] == ["app-network", "agentrl-egress"]
+    assert server["environment"]["MODE"] == "prod"  # the service's own environment is kept
+    assert server["environment"]["HTTPS_PROXY"] == "http://tok:x@172.31.251.1:39000"
+    assert server["environment"]["NO_PROXY"] == "localhost,client,server,cache"  # siblings are reached directly
+    assert "agentrl_ca_bundle" not in server["environment"]
+    assert server["volumes"] == ["/cache/ca-bundle.pem:/etc/agentrl/egress-ca-bundle.pem:ro"]
+    assert "environment" not in override(s, {n: n for n in service_names(s)}, {}, {}, True, "agentrl-internet")[
+        "services"]["client"]
