@@ -333,6 +333,20 @@ class DockerBackend:
         egress = "".join(f"{line}\n" for line in self._egress_lines(session)) if session else ""
         return tag, True, note + strip_ansi("".join(str(chunk.get("stream", "")) for chunk in log)) + egress
 
+    def _egress_sessions(self, image: str, labels: dict[str, str],
+                         egress_hosts: tuple[str, ...] | None) -> dict[str, Session]:
+        """A new sandbox's proxy sessions, ``agent`` and ``verifier``, named after its task.
+
+        Raises:
+            SandboxInfraError: ``sandbox_start_failed`` when the proxy cannot start.
+        """
+        assert self.egress is not None
+        label = labels.get("agentrl.task") or labels.get("agentrl.validate") or image
+        try:
+            return {p: self.egress.session(p, label, egress_hosts) for p in ("agent", "verifier")}
+        except RuntimeError as e:
+            raise SandboxInfraError("sandbox_start_failed", f"{image}: egress proxy: {e}") from e
+
     def _trusts_egress_ca(self, image: str) -> bool:
         """Whether ``image`` is one of the project's base images (they trust the egress proxy's CA)."""
         try:
@@ -510,13 +524,8 @@ class DockerBackend:
         sessions: dict[str, Session] = {}
         egress_env: dict[str, str] = {}
         if network and self.egress is not None:
-            label = labels.get("agentrl.task") or labels.get("agentrl.validate") or image
-            try:
-                sessions = {p: self.egress.session(p, label, None) for p in ("agent", "verifier")}
-                egress_env = {**self.egress.env(sessions["agent"]),
-                              "agentrl_ca_bundle": str(self.egress.ca_bundle())}
-            except RuntimeError as e:
-                raise SandboxInfraError("sandbox_start_failed", f"{image}: egress proxy: {e}") from e
+            sessions = self._egress_sessions(image, labels, None)
+            egress_env = {**self.egress.env(sessions["agent"]), "agentrl_ca_bundle": str(self.egress.ca_bundle())}
         project, container = compose.start_project(self.client, services, tags, all_labels, main, network,
                                                    EGRESS_NETWORK if sessions else INTERNET_NETWORK, self.state_dir,
                                                    egress_env)
@@ -583,11 +592,7 @@ class DockerBackend:
         environment = None
         network_mode = "none"
         if network and self.egress is not None:
-            label = labels.get("agentrl.task") or labels.get("agentrl.validate") or image
-            try:
-                sessions = {p: self.egress.session(p, label, egress_hosts) for p in ("agent", "verifier")}
-            except RuntimeError as e:
-                raise SandboxInfraError("sandbox_start_failed", f"{image}: egress proxy: {e}") from e
+            sessions = self._egress_sessions(image, labels, egress_hosts)
             environment, network_mode = self.egress.env(sessions["agent"]), EGRESS_NETWORK
         elif network and egress_hosts is not None:
             raise SandboxInfraError("sandbox_start_failed", f"{image}: the task allows only {', '.join(egress_hosts)}, "
