@@ -18,6 +18,9 @@ two into one of a few cause classes, each with the fix that would make the task 
 - ``build_failed``: the Dockerfile failed for another reason (the log names the step).
 - ``tests_environment_broken``: the reference solution ran but the tests themselves did not run
   (no test result at all: a missing test runner, a ``run-tests.sh`` that failed before pytest).
+- ``pinned_version_gone``: the reference solution pins a package version its archive no longer serves
+  (apt's ``E: Version 'X' for 'P' was not found``; pip's ``Could not find a version that satisfies the
+  requirement P==X (from versions: ...)``, the index answered): the task has aged, here and upstream.
 - ``solution_fails``: the tests ran and the reference solution failed them.
 - ``do_nothing_passes``: the tests pass without any agent action.
 - ``no_solution``: nothing to validate with.
@@ -31,7 +34,7 @@ from __future__ import annotations
 import re
 
 CAUSES = ("unreachable_host", "needs_network", "registry_image", "build_failed", "tests_environment_broken",
-          "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
+          "pinned_version_gone", "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
@@ -141,6 +144,21 @@ def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT)
     return hosts
 
 
+# A pinned version the package archive answered without: apt's message, pip's (the index listed other versions).
+_PIN_GONE = re.compile(r"E: Version '([^']+)' for '([^']+)' was not found|"
+                       r"Could not find a version that satisfies the requirement ([A-Za-z0-9_.\[\]-]+==[^\s)]+) "
+                       r"\(from versions: (?!none\))")
+_LISTED_PINS = re.compile(r"solution pins a version no longer served: (\S+)")
+
+
+def missing_pins(log: str) -> list[str]:
+    """Pinned package versions ``log`` says the archive no longer serves (``pkg=version``), in order."""
+    text = strip_ansi(log)
+    pins = [f"{m.group(2)}={m.group(1)}" if m.group(1) else m.group(3) for m in _PIN_GONE.finditer(text)]
+    pins += _LISTED_PINS.findall(text)
+    return list(dict.fromkeys(pins))
+
+
 def failing_step(build_log: str) -> str:
     """The last ``Step N/M : ...`` line of a legacy-builder log (the step that failed), or ''."""
     steps = _STEP.findall(strip_ansi(build_log))
@@ -197,6 +215,9 @@ def classify(reason: str, log: str, validation: str = "", build_network: bool = 
         return "do_nothing_passes", "the tests check nothing the agent must do; fix the tests"
     if hosts:
         return "unreachable_host", f"needs {', '.join(hosts)}, which this machine cannot reach"
+    if (pins := missing_pins(text)) and reason.startswith("validation failed"):
+        return "pinned_version_gone", (f"the reference solution pins {', '.join(pins)}, which the package archive no "
+                                       "longer serves (the task has aged): update the pin in the task")
     if any(code in reason for code in ("tests_did_not_run", "no_tests_collected", "verifier_error", "no_reward_file",
                                        "verifier_timeout", "parse_error")):
         return "tests_environment_broken", ("the tests did not run (no test result): the test environment is "

@@ -226,3 +226,25 @@ def test_a_reference_run_failing_on_an_external_judge_is_unreachable_host_not_so
     cause, _ = classify("validation failed: reference-less: a do-nothing agent passes (the tests check nothing)", "",
                         "failed")
     assert cause == "do_nothing_passes"
+
+
+def test_a_pin_the_archive_no_longer_serves_is_named_not_solution_fails():
+    """matlab-python-conversion (Terminal-Bench) pins gnupg=2.2.40-1.1; bookworm now serves +deb12u2, so apt
+    installs nothing, octave is missing and the tests fail: the task has aged, upstream as here."""
+    from infra.task_faults import missing_pins
+
+    apt = ("Package gnupg is not available, but is referred to by another package.\n"
+           "E: Version '2.2.40-1.1' for 'gnupg' was not found\n/s.sh: line 58: octave: command not found\n")
+    pip = ("ERROR: Could not find a version that satisfies the requirement numpy==1.19.9 (from versions: 1.26.4, "
+           "2.0.0)\nERROR: No matching distribution found for numpy==1.19.9\n")
+    offline = ("ERROR: Could not find a version that satisfies the requirement numpy==1.26.4 (from versions: none)\n")
+    assert missing_pins(apt) == ["gnupg=2.2.40-1.1"]
+    assert missing_pins(pip) == ["numpy==1.19.9"]
+    assert missing_pins(offline) == []  # the index did not answer: not a pin that has gone
+    log = f"solution pins a version no longer served: gnupg=2.2.40-1.1\nsolution exit 1: ...\nverifier: 4 failed"
+    cause, fix = classify("validation failed: reference solution scored 0.0 (tests_failed): 4 failed", log, "failed")
+    assert cause == "pinned_version_gone" and "gnupg=2.2.40-1.1" in fix
+    # a host the solution could not reach stays the cause: the pin may be fine where the host answers
+    cause, _ = classify("validation failed: reference solution scored 0.0 (tests_failed): 4 failed",
+                        f"solution could not reach host: github.com\n{log}", "failed")
+    assert cause == "unreachable_host"
