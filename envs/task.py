@@ -197,13 +197,13 @@ class TerminalTask(Task):
         """The reference solution run as the format's oracle runs it (``run_solution``), then the task's verifier."""
         if not with_solution or self.solution is None:
             return self.verify(sandbox, "")
-        from infra.task_faults import missing_pins, unreachable_hosts
+        from infra.task_faults import drifted_dependencies, unreachable_hosts
 
         r = self.run_solution(sandbox)
-        # hosts the solution could not reach and pins it could not install, named from its whole output
+        # hosts the solution could not reach and dependencies that moved on, named from its whole output
         # (only its tail is kept)
         reach = "".join(f"solution could not reach host: {h}\n" for h in unreachable_hosts(r.output))
-        reach += "".join(f"solution pins a version no longer served: {p}\n" for p in missing_pins(r.output))
+        reach += "".join(f"solution dependency drift: {d}\n" for d in drifted_dependencies(r.output))
         if r.timed_out:
             return Verdict(0.0, Outcome.MODEL_FAILURE, "solution_timeout", reach + r.output[-2000:])
         v = self.verify(sandbox, "")

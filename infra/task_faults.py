@@ -18,9 +18,11 @@ two into one of a few cause classes, each with the fix that would make the task 
 - ``build_failed``: the Dockerfile failed for another reason (the log names the step).
 - ``tests_environment_broken``: the reference solution ran but the tests themselves did not run
   (no test result at all: a missing test runner, a ``run-tests.sh`` that failed before pytest).
-- ``pinned_version_gone``: the reference solution pins a package version its archive no longer serves
-  (apt's ``E: Version 'X' for 'P' was not found``; pip's ``Could not find a version that satisfies the
-  requirement P==X (from versions: ...)``, the index answered): the task has aged, here and upstream.
+- ``dependency_drift``: the task has aged, here as upstream: its reference solution pins a package version
+  the archive no longer serves (apt's ``E: Version 'X' for 'P' was not found``; pip's ``Could not find a
+  version that satisfies the requirement P==X (from versions: ...)``, the index answered), or imports a name
+  an unpinned dependency has since dropped (``ImportError: cannot import name 'X' from 'P'``, ``module 'P'
+  has no attribute 'X'``). The fix names the pin or the package.
 - ``solution_fails``: the tests ran and the reference solution failed them.
 - ``do_nothing_passes``: the tests pass without any agent action.
 - ``no_solution``: nothing to validate with.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import re
 
 CAUSES = ("unreachable_host", "needs_network", "registry_image", "build_failed", "tests_environment_broken",
-          "pinned_version_gone", "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
+          "dependency_drift", "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
@@ -144,19 +146,32 @@ def unreachable_hosts(log: str, reachable: tuple[str, ...] = _REACHABLE_DEFAULT)
     return hosts
 
 
-# A pinned version the package archive answered without: apt's message, pip's (the index listed other versions).
-_PIN_GONE = re.compile(r"E: Version '([^']+)' for '([^']+)' was not found|"
-                       r"Could not find a version that satisfies the requirement ([A-Za-z0-9_.\[\]-]+==[^\s)]+) "
-                       r"\(from versions: (?!none\))")
-_LISTED_PINS = re.compile(r"solution pins a version no longer served: (\S+)")
+# The task has aged: a pinned version the archive answered without (apt; pip, the index listed other
+# versions), or a name an unpinned dependency no longer has.
+_DRIFT = re.compile(r"E: Version '(?P<apt_v>[^']+)' for '(?P<apt_p>[^']+)' was not found|"
+                    r"Could not find a version that satisfies the requirement (?P<pip>[A-Za-z0-9_.\[\]-]+==[^\s)]+) "
+                    r"\(from versions: (?!none\))|"
+                    r"ImportError: cannot import name '(?P<name>[\w.]+)' from '(?P<module>[\w.]+)'|"
+                    r"AttributeError: module '(?P<attr_m>[\w.]+)' has no attribute '(?P<attr>\w+)'")
+_LISTED_DRIFT = re.compile(r"^solution dependency drift: (.+)$", re.MULTILINE)
 
 
-def missing_pins(log: str) -> list[str]:
-    """Pinned package versions ``log`` says the archive no longer serves (``pkg=version``), in order."""
+def drifted_dependencies(log: str) -> list[str]:
+    """What ``log`` shows has moved on since the task was written, in order: ``gnupg=2.2.40-1.1 (no
+    longer served)``, ``transformers no longer has AutoModelForVision2Seq``."""
     text = strip_ansi(log)
-    pins = [f"{m.group(2)}={m.group(1)}" if m.group(1) else m.group(3) for m in _PIN_GONE.finditer(text)]
-    pins += _LISTED_PINS.findall(text)
-    return list(dict.fromkeys(pins))
+    found = []
+    for m in _DRIFT.finditer(text):
+        if m["apt_p"]:
+            found.append(f"{m['apt_p']}={m['apt_v']} (no longer served)")
+        elif m["pip"]:
+            found.append(f"{m['pip']} (no longer served)")
+        elif m["module"]:
+            found.append(f"{m['module'].split('.')[0]} no longer has {m['name']}")
+        else:
+            found.append(f"{m['attr_m'].split('.')[0]} no longer has {m['attr']}")
+    found += _LISTED_DRIFT.findall(text)
+    return list(dict.fromkeys(found))
 
 
 def failing_step(build_log: str) -> str:
@@ -215,9 +230,9 @@ def classify(reason: str, log: str, validation: str = "", build_network: bool = 
         return "do_nothing_passes", "the tests check nothing the agent must do; fix the tests"
     if hosts:
         return "unreachable_host", f"needs {', '.join(hosts)}, which this machine cannot reach"
-    if (pins := missing_pins(text)) and reason.startswith("validation failed"):
-        return "pinned_version_gone", (f"the reference solution pins {', '.join(pins)}, which the package archive no "
-                                       "longer serves (the task has aged): update the pin in the task")
+    if (drift := drifted_dependencies(text)) and reason.startswith("validation failed"):
+        return "dependency_drift", (f"the task has aged: {'; '.join(drift)}; pin the versions it was written for "
+                                    "(or update the pin) in the task")
     if any(code in reason for code in ("tests_did_not_run", "no_tests_collected", "verifier_error", "no_reward_file",
                                        "verifier_timeout", "parse_error")):
         return "tests_environment_broken", ("the tests did not run (no test result): the test environment is "

@@ -228,23 +228,30 @@ def test_a_reference_run_failing_on_an_external_judge_is_unreachable_host_not_so
     assert cause == "do_nothing_passes"
 
 
-def test_a_pin_the_archive_no_longer_serves_is_named_not_solution_fails():
-    """matlab-python-conversion (Terminal-Bench) pins gnupg=2.2.40-1.1; bookworm now serves +deb12u2, so apt
-    installs nothing, octave is missing and the tests fail: the task has aged, upstream as here."""
-    from infra.task_faults import missing_pins
+def test_a_task_that_has_aged_is_dependency_drift_not_solution_fails():
+    """Two real Terminal-Bench tasks, as they fail today upstream as here: matlab-python-conversion pins
+    gnupg=2.2.40-1.1 (bookworm now serves +deb12u2, so apt installs nothing and octave is missing);
+    mteb-retrieve installs mteb==1.36.8, whose unpinned transformers (5.x) dropped a name it imports."""
+    from infra.task_faults import drifted_dependencies
 
     apt = ("Package gnupg is not available, but is referred to by another package.\n"
            "E: Version '2.2.40-1.1' for 'gnupg' was not found\n/s.sh: line 58: octave: command not found\n")
     pip = ("ERROR: Could not find a version that satisfies the requirement numpy==1.19.9 (from versions: 1.26.4, "
            "2.0.0)\nERROR: No matching distribution found for numpy==1.19.9\n")
-    offline = ("ERROR: Could not find a version that satisfies the requirement numpy==1.26.4 (from versions: none)\n")
-    assert missing_pins(apt) == ["gnupg=2.2.40-1.1"]
-    assert missing_pins(pip) == ["numpy==1.19.9"]
-    assert missing_pins(offline) == []  # the index did not answer: not a pin that has gone
-    log = f"solution pins a version no longer served: gnupg=2.2.40-1.1\nsolution exit 1: ...\nverifier: 4 failed"
-    cause, fix = classify("validation failed: reference solution scored 0.0 (tests_failed): 4 failed", log, "failed")
-    assert cause == "pinned_version_gone" and "gnupg=2.2.40-1.1" in fix
-    # a host the solution could not reach stays the cause: the pin may be fine where the host answers
-    cause, _ = classify("validation failed: reference solution scored 0.0 (tests_failed): 4 failed",
-                        f"solution could not reach host: github.com\n{log}", "failed")
-    assert cause == "unreachable_host"
+    offline = "ERROR: Could not find a version that satisfies the requirement numpy==1.26.4 (from versions: none)\n"
+    imports = ('  File "/usr/local/lib/python3.10/site-packages/mteb/models/gme_v_models.py", line 13, in <module>\n'
+               "    from transformers import AutoModelForVision2Seq, AutoProcessor\n"
+               "ImportError: cannot import name 'AutoModelForVision2Seq' from 'transformers' "
+               "(/usr/local/lib/python3.10/site-packages/transformers/__init__.py)\n")
+    assert drifted_dependencies(apt) == ["gnupg=2.2.40-1.1 (no longer served)"]
+    assert drifted_dependencies(pip) == ["numpy==1.19.9 (no longer served)"]
+    assert drifted_dependencies(offline) == []  # the index did not answer: nothing says the pin has gone
+    assert drifted_dependencies(imports) == ["transformers no longer has AutoModelForVision2Seq"]
+    assert drifted_dependencies("AttributeError: module 'numpy' has no attribute 'float'") == \
+        ["numpy no longer has float"]
+    failed = "validation failed: reference solution scored 0.0 (tests_failed): 4 failed"
+    log = "solution dependency drift: gnupg=2.2.40-1.1 (no longer served)\nsolution exit 1: ...\nverifier: 4 failed"
+    cause, fix = classify(failed, log, "failed")
+    assert cause == "dependency_drift" and "gnupg=2.2.40-1.1" in fix
+    # a host the solution could not reach stays the cause: the task may work where that host answers
+    assert classify(failed, f"solution could not reach host: github.com\n{log}", "failed")[0] == "unreachable_host"
