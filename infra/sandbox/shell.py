@@ -22,7 +22,7 @@ an agent command in that session:
    (a ``wait-for -S`` signal to nobody is lost). Channels are per command, so a late release from an
    earlier command never wakes a later one.
 4. At the deadline it types ``C-c`` (as an interactive user would), then checks the shell is back at
-   its prompt (a probe line releasing ``agentrl-<n>-ready`` within 5 s). A shell that is not (a
+   its prompt (a probe line releasing ``agentrl-<n>-ready``, typed again every 2 s, within 12 s). A shell that is not (a
    program ignoring SIGINT, a REPL the command ``exec``'d into) has its session killed; the next
    command gets a new one.
 
@@ -47,8 +47,11 @@ from infra.sandbox.base import ExecResult
 SESSION = "agent"
 PANE_SIZE = (200, 50)
 HISTORY_LINES = 50_000
-PROBE_S = 5
-"""How long a shell has to come back to its prompt after ``C-c`` before its session is killed."""
+PROBE_S = 12
+"""How long a shell has to come back to its prompt after ``C-c`` before its session is killed (CI's 2 cores
+under two test workers once took longer than 5 s)."""
+PROBE_EVERY_S = 2
+"""The probe line is typed again this often until it answers (a program still reading the terminal may take one)."""
 DRIVER_SLACK_S = 30
 """Added to a command's deadline as the ``timeout -s KILL`` of the driver itself (tmux wedged)."""
 
@@ -77,14 +80,18 @@ elif [ -f "$n.exit" ]; then r="exited $(cat "$n.exit")"
 elif [ "$waited" = 124 ]; then
   tmux send-keys -t "$p" C-c
   tmux wait-for -L "agentrl-$n-ready"
-  type_line " tmux wait-for -U agentrl-$n-ready"
-  if timeout @PROBE@ tmux wait-for -L "agentrl-$n-ready"; then r=timeout
-  else tmux kill-session -t "$s" 2>/dev/null; r=stuck; fi
+  r=stuck; i=0
+  while [ "$i" -lt @PROBE@ ]; do
+    type_line " tmux wait-for -U agentrl-$n-ready"
+    if timeout @PROBE_EVERY@ tmux wait-for -L "agentrl-$n-ready"; then r=timeout; break; fi
+    i=$((i + @PROBE_EVERY@))
+  done
+  [ "$r" = stuck ] && tmux kill-session -t "$s" 2>/dev/null
 else r=lost; fi
 echo "$r$fresh" > "$n.status"
 """
 for _key, _value in {"SESSION": SESSION, "HISTORY": HISTORY_LINES, "X": PANE_SIZE[0], "Y": PANE_SIZE[1],
-                     "PROBE": PROBE_S}.items():
+                     "PROBE": PROBE_S, "PROBE_EVERY": PROBE_EVERY_S}.items():
     _DRIVER = _DRIVER.replace(f"@{_key}@", str(_value))
 
 

@@ -36,7 +36,7 @@ def test_no_tmux_is_none_and_no_outcome_is_an_error():
 def test_the_command_is_an_argument_never_part_of_the_script():
     command = "echo \"$HOME\" 'it''s' \\\\ <<EOF\nx\nEOF"
     argv = shell.driver_argv(7, command, 2.5, "/app", "/.agentrl-exec/sh")
-    # the driver's own deadline is the command's + the Ctrl-C probe (5 s) + slack (30 s): 2.5 + 35 = 37.5
-    assert argv[:4] == ["timeout", "-s", "KILL", "37.5"]
+    # the driver's own deadline is the command's + the Ctrl-C probe (12 s) + slack (30 s): 2.5 + 42 = 44.5
+    assert argv[:4] == ["timeout", "-s", "KILL", "44.5"]
     assert argv[-5:] == ["7", "2.5", "/app", command, "/.agentrl-exec/sh"]
     assert command not in argv[6]
