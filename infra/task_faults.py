@@ -36,7 +36,8 @@ from __future__ import annotations
 import re
 
 CAUSES = ("unreachable_host", "needs_network", "registry_image", "build_failed", "tests_environment_broken",
-          "dependency_drift", "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded", "infra")
+          "dependency_drift", "solution_fails", "do_nothing_passes", "no_solution", "unsupported_feature", "not_loaded",
+          "infra")
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 
@@ -157,8 +158,10 @@ _LISTED_DRIFT = re.compile(r"^solution dependency drift: (.+)$", re.MULTILINE)
 
 
 def drifted_dependencies(log: str) -> list[str]:
-    """What ``log`` shows has moved on since the task was written, in order: ``gnupg=2.2.40-1.1 (no
-    longer served)``, ``transformers no longer has AutoModelForVision2Seq``."""
+    """What ``log`` shows has moved on since the task was written, in order.
+
+    E.g. ``gnupg=2.2.40-1.1 (no longer served)``, ``transformers no longer has AutoModelForVision2Seq``.
+    """
     text = strip_ansi(log)
     found = []
     for m in _DRIFT.finditer(text):
