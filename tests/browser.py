@@ -72,15 +72,24 @@ class Browser:
     def text(self) -> str:
         return self.js("document.body ? document.body.innerText : ''") or ""
 
-    def open(self, url: str, until: str = "", timeout_s: float = 60.0) -> str:
-        """Navigate and wait until the page's text contains ``until`` (the UI renders after load); returns the text."""
+    def open(self, url: str, until: str = "", timeout_s: float = 150.0, reload_s: float = 45.0) -> str:
+        """Navigate and wait until the page's text contains ``until`` (the UI renders after load); returns the text.
+
+        A page still without ``until`` after ``reload_s`` is navigated to again, so the UI asks the API again:
+        once in CI, on a loaded machine, a report page showed its header and no markdown body for 60 s.
+        """
+        start = time.monotonic()
         self.call("Page.navigate", url=url)
-        deadline = time.monotonic() + timeout_s
+        navigated = start
         while True:
             time.sleep(1.0)
             text = self.text()
-            if (until in text and len(text) > 50) or time.monotonic() > deadline:
+            now = time.monotonic()
+            if (until in text and len(text) > 50) or now - start > timeout_s:
                 return text
+            if now - navigated > reload_s:
+                self.call("Page.navigate", url=url)
+                navigated = now
 
     def links(self) -> list[str]:
         return self.js("Array.from(document.querySelectorAll('a')).map(a => a.href)") or []
