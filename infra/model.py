@@ -28,16 +28,61 @@ def cache_root() -> Path:
 def resolve_model(name_or_path: str) -> Path:
     """An HF folder for the configured model, preparing SmolLM2 on first use.
 
+    ``s3://…/checkpoints/v<N>`` (a checkpoint another run published) is fetched once into the model
+    cache and verified against its manifest (:func:`fetch_checkpoint_model`).
+
     Raises:
-        FileNotFoundError: a path that is not an HF model folder (no config.json).
+        FileNotFoundError: a path that is not an HF model folder (no config.json), or a checkpoint URI
+            with no complete manifest or whose files do not match it.
     """
     if name_or_path == SMOLLM2:
         return prepare_smollm2()
+    if name_or_path.startswith("s3://"):
+        return fetch_checkpoint_model(name_or_path)
     path = Path(name_or_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json); "
                                 f"expected a folder or '{SMOLLM2}'")
     return path
+
+
+def fetch_checkpoint_model(uri: str) -> Path:
+    """The local copy of the published checkpoint ``uri`` (``s3://bucket/…/checkpoints/v<N>``), fetched once.
+
+    The copy lives in ``cache_root()/checkpoints/<bucket>/<path>``; it is reused while its manifest equals
+    the stored one (a checkpoint is never rewritten: versions are not reused), else fetched again into a
+    temporary folder, every file checked against the manifest's sha256, and renamed into place.
+
+    Raises:
+        FileNotFoundError: ``uri`` is not a checkpoint URI, has no complete manifest, or a file differs.
+    """
+    from infra.checkpoint import MANIFEST, CheckpointError, fetch, read_manifest
+    from infra.layout import RunLayout
+    from infra.storage import s3_filesystem
+
+    uri = uri.rstrip("/")
+    try:
+        RunLayout.version_of(uri)
+    except ValueError as e:
+        raise FileNotFoundError(f"model.path: {e}") from e
+    fs = s3_filesystem(uri.removeprefix("s3://").split("/", 1)[0])
+    try:
+        manifest = read_manifest(fs, uri)
+    except CheckpointError as e:
+        raise FileNotFoundError(f"model.path: {e}") from e
+    local = cache_root() / "checkpoints" / uri.removeprefix("s3://")
+    if (local / MANIFEST).is_file() and json.loads((local / MANIFEST).read_text())["files"] == manifest["files"]:
+        return local
+    tmp = local.with_name(local.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        manifest = fetch(fs, uri, tmp)
+    except CheckpointError as e:
+        raise FileNotFoundError(f"model.path: {e}") from e
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: a copy without it is not trusted
+    shutil.rmtree(local, ignore_errors=True)
+    tmp.rename(local)
+    return local
 
 
 def prepare_smollm2(out: Path | None = None) -> Path:
