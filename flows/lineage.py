@@ -1,24 +1,26 @@
 """Artifact lineage: what an artifact was made from (above it), and what was made from it (below it).
 
-``python -m flows.lineage URI`` prints both as a tree. By default it reads the lineage records
-stored beside the run's artifacts on S3 (``{artifact}.lineage.json``, written by
-``tasks.lineage.as_asset``), which last as long as the run; ``--source prefect`` reads the Prefect
-API's ``prefect.asset.materialization.succeeded`` events instead (kept 7 days by default).
-Example: a checkpoint's inputs are its trajectories and, above them, their task images; its
-output is its eval report.
+``python -m flows.lineage URI`` prints both as a tree (``--depth N`` bounds it). By default it reads the
+lineage records stored beside the artifacts on S3 (``{artifact}.lineage.json``, written by
+``tasks.lineage.as_asset``; ``infra.lineage``), which last as long as the run, following inputs into other
+runs' folders; ``--source prefect`` reads the Prefect API's ``prefect.asset.materialization.succeeded``
+events and their payloads instead (kept 7 days by default). Example: checkpoint v2's inputs are its
+parent v1 and step 1's trajectories; those trajectories' inputs are their task images and the policy
+versions that sampled their tokens (with the token counts); v1's parent is the base model; v2's output is
+its eval report, made from v2 and the held-out task images in the serving dtype.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
-from collections.abc import Callable
 
 import httpx
 
+from infra.lineage import StoredLineage, run_root, tree
+
 EVENT = "prefect.asset.materialization.succeeded"
-_RUN_FOLDERS = ("trajectories", "checkpoints", "dropped", "divergence", "summaries", "episodes")
 
 
 def _events(api_url: str, body_filter: dict) -> list[dict]:
@@ -65,46 +67,10 @@ def walk(api_url: str, uri: str, direction: str, max_depth: int = 10) -> list[tu
     return out
 
 
-def run_root(uri: str) -> str:
-    """The run folder holding an ``s3://`` artifact (``s3://bucket/prefix/run_id``).
-
-    Raises:
-        ValueError: ``uri`` is not an artifact inside a run folder.
-    """
-    parts = uri.rstrip("/").split("/")
-    for i, part in enumerate(parts):
-        if part in _RUN_FOLDERS and i > 3:
-            return "/".join(parts[:i])
-    raise ValueError(f"{uri}: not an artifact of a run (expected s3://bucket/prefix/run_id/"
-                     f"{{{','.join(_RUN_FOLDERS)}}}/...)")
-
-
-def stored_inputs(fs, root: str) -> dict[str, list[str]]:
-    """Every lineage record under the run folder ``root``: artifact -> its declared inputs."""
-    fs.invalidate_cache()
-    out = {}
-    for path in (p for p in fs.find(root.removeprefix("s3://")) if p.endswith(".lineage.json")):
-        record = json.loads(fs.cat_file(path))
-        out[record["asset"]] = list(record["inputs"])
-    return out
-
-
-def tree(uri: str, inputs_of: Callable[[str], list[str]], outputs_of: Callable[[str], list[str]],
-         max_depth: int = 10) -> list[str]:
-    """Lines of the lineage tree of ``uri``: its inputs, recursively, above it; its outputs below it."""
-    def branch(node: str, children: Callable[[str], list[str]], prefix: str, depth: int, seen: set) -> list[str]:
-        kids = sorted(set(children(node)) - seen) if depth < max_depth else []
-        lines = []
-        for i, kid in enumerate(kids):
-            last = i == len(kids) - 1
-            lines.append(f"{prefix}{'└── ' if last else '├── '}{kid}")
-            lines += branch(kid, children, prefix + ("    " if last else "│   "), depth + 1, seen | {node})
-        return lines
-
-    above = branch(uri, inputs_of, "  ", 0, set())
-    below = branch(uri, outputs_of, "  ", 0, set())
-    return ["made from (inputs):", *(above or ["  (none recorded)"]), uri,
-            "used by (outputs):", *(below or ["  (none recorded)"])]
+def payload_of(api_url: str, uri: str) -> dict:
+    """The payload (materialization metadata) of the newest materialization of ``uri`` ({} when none)."""
+    events = sorted(_events(api_url, {"resource": {"id": [uri]}}), key=lambda e: e["occurred"])
+    return dict(events[-1].get("payload") or {}) if events else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", choices=["s3", "prefect"], default="s3",
                         help="lineage records on S3 beside the artifacts (default) or Prefect's asset events")
     parser.add_argument("--api-url", default=None, help="Prefect API URL (default: PREFECT_API_URL)")
+    parser.add_argument("--depth", type=int, default=None, help="levels shown above and below (default: all)")
     args = parser.parse_args(argv)
+    uri = args.uri.rstrip("/")
     if args.source == "prefect":
         from prefect.settings import PREFECT_API_URL
 
@@ -122,25 +90,25 @@ def main(argv: list[str] | None = None) -> int:
         if not api_url:
             print("error: no Prefect API: set PREFECT_API_URL or pass --api-url", file=sys.stderr)
             return 2
-        lines = tree(args.uri, lambda n: list(upstream_of(api_url, n)), lambda n: list(downstream_of(api_url, n)))
+        def cached(query):  # one API call per node and question
+            return functools.lru_cache(maxsize=None)(lambda n: query(api_url, n))
+
+        lines = tree(uri, cached(upstream_of), cached(downstream_of), cached(payload_of), args.depth)
     else:
         from infra.storage import s3_filesystem
 
         try:
-            root = run_root(args.uri)
+            root = run_root(uri)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        records = stored_inputs(s3_filesystem(root.removeprefix("s3://").split("/")[0]), root)
-        if args.uri.rstrip("/") not in records and not any(args.uri.rstrip("/") in v for v in records.values()):
+        stored = StoredLineage(s3_filesystem(root.removeprefix("s3://").split("/")[0]))
+        records = stored.load(root)
+        if uri not in records and not any(uri in r["inputs"] for r in records.values()):
             print(f"error: {args.uri}: no lineage record under {root} ({len(records)} artifact(s) have one)",
                   file=sys.stderr)
             return 2
-        users: dict[str, list[str]] = {}
-        for asset, inputs in records.items():
-            for i in inputs:
-                users.setdefault(i, []).append(asset)
-        lines = tree(args.uri.rstrip("/"), lambda n: records.get(n, []), lambda n: users.get(n, []))
+        lines = tree(uri, stored.inputs, stored.outputs, stored.properties, args.depth)
     print("\n".join(lines))
     return 0
 

@@ -1,7 +1,7 @@
 """Checkpoint publication to object storage, with a manifest written last.
 
 Layout: ``s3://{bucket}/{prefix}/{run_id}/checkpoints/v{N}/`` holds HF safetensors files and
-``manifest.json`` (sha256 and size per file, parent version, training step, dtype). The manifest
+``manifest.json`` (sha256 and size per file, parent version and its asset key, training step, dtype). The manifest
 is uploaded after every file, so a reader that trusts only a complete manifest never sees a
 half-published checkpoint. A version is never reused: publishing over an existing manifest fails.
 """
@@ -37,8 +37,12 @@ def file_entries(folder: Path) -> dict[str, dict]:
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
-def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, step: int, dtype: str) -> dict:
+def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, step: int, dtype: str,
+            parent: str = "") -> dict:
     """Upload every file of ``local_dir`` to ``uri``, then the manifest; returns the manifest.
+
+    ``parent`` is the asset key of the weights this version was trained from (``infra.lineage``: the
+    previous checkpoint's URI, or the base model's ``model://`` key).
 
     Raises:
         CheckpointError: ``uri`` already has a manifest (versions are never reused), or
@@ -53,7 +57,7 @@ def publish(fs, local_dir: Path, uri: str, version: int, parent_version: int, st
     start = time.monotonic()
     for name in entries:
         fs.put_file(str(local_dir / name), f"{uri}/{name}")
-    manifest = {"version": version, "parent_version": parent_version, "step": step, "dtype": dtype,
+    manifest = {"version": version, "parent_version": parent_version, "parent": parent, "step": step, "dtype": dtype,
                 "files": entries, "published_at": time.time(), "upload_s": time.monotonic() - start}
     fs.pipe_file(f"{uri}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     return manifest

@@ -25,6 +25,7 @@ from envs.task import Task
 from infra.config import AsyncScheduler, InprocEngine, RunConfig, ServersEngine
 from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
 from infra.layout import RunLayout, resolve_path
+from infra.lineage import ModelAsset
 from infra.preflight import preflight
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Run:
         self._catalog: Catalog | None = None
         self._trainer_state: tuple[Path, str] | None = None  # (folder, tag) to restore when the trainer starts
         self.trainer_restored = ""  # the tag restored, if any
+        self._base_model: ModelAsset | None = None
         self.resumed_version = 0  # the newest published version when this process resumed the run (resume())
         atexit.register(self.close)  # a process that never leaves the block still removes its sandboxes
 
@@ -147,6 +149,28 @@ class Run:
         if policy.version and self._trainer is None and self.config.train.save_optimizer_state and state.is_dir():
             self._trainer_state = (state.parent, state.name)
         return policy.version
+
+    @property
+    def base_model(self) -> ModelAsset:
+        """The weights of the run's version 0 as an asset (:func:`infra.lineage.model_asset`).
+
+        For ``model.path`` = a checkpoint of another run (``s3://…/checkpoints/vN``) it is that checkpoint,
+        so the lineage crosses runs. Computed once (a digest of the weight files).
+        """
+        if self._base_model is None:
+            from infra.lineage import model_asset
+            from infra.model import resolve_model
+
+            path = self.config.model.path
+            if path.startswith("s3://"):
+                self._base_model = ModelAsset(path.rstrip("/"), {"kind": "checkpoint"})
+            else:
+                self._base_model = model_asset(resolve_model(path), name=Path(path).name)
+        return self._base_model
+
+    def policy_asset(self, version: int) -> str:
+        """The asset key of the weights of policy ``version``: checkpoint ``v{version}``, or the base model for 0."""
+        return self.layout.checkpoint(version) if version > 0 else self.base_model.key
 
     # -- live resources, built on first use ---------------------------------------------------
     @property

@@ -109,6 +109,8 @@ class RolloutStats:
     """The mean episode's wall time by part (:func:`episode_time_split`)."""
     egress: dict[str, float] = field(default_factory=dict)
     """What the step's sandboxes sent out through the egress proxy (:func:`egress_totals`)."""
+    policy_version_tokens: dict[int, int] = field(default_factory=dict)
+    """Sampled tokens per policy version (the file's lineage: each version is an input of it)."""
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:

@@ -15,7 +15,8 @@ from infra.layout import artifact_key
 from infra.rollout.collector import CollectSettings
 from infra.run import Run
 from infra.summary import EvalResult, PublishResult
-from tasks.lineage import as_asset
+from tasks.build_envs import image_asset
+from tasks.lineage import as_asset, declare_inputs
 from tasks.naming import stage_run_name
 
 
@@ -34,7 +35,8 @@ def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
     ``eval.allow_precision_mismatch``, in ``eval.dtype``, marked in the report). When
     ``previous_uri`` holds an earlier version's report in the same precision, the report gets a
     ``compared_to`` section (``infra.evaluate.compare_reports``). Run as a materializing task
-    (asset ``report_uri``, upstream the checkpoint).
+    (asset ``report_uri``): its inputs are the checkpoint and the held-out tasks' images, and the dtype it
+    ran in is a property of the report (``dtype``, ``serving_dtype``, ``precision_mismatch``).
 
     Returns:
         The report (see ``infra.evaluate.eval_report``, plus ``settings``, ``evaluated_at`` (unix s),
@@ -71,7 +73,9 @@ def evaluate(run: Run, report_uri: str, previous_uri: str = "") -> dict:
                           table=per_task_rows(report, previous),
                           description=f"{run.config.run_id} v{version}: pass@k per held-out task ({report['dtype']})"
                                       + (f", against v{previous['version']}" if previous else ""))
+    declare_inputs(sorted({image_asset(image) for image, _ in run.catalog.images("eval").values()}))
     add_asset_metadata(report_uri, {"version": report["version"], "dtype": report["dtype"],
+                                    "serving_dtype": config.model.serving_dtype,
                                     "precision_mismatch": report["precision_mismatch"],
                                     **{f"pass_at_{k}": v for k, v in report["pass_at_k"].items()}})
     return report

@@ -11,42 +11,78 @@ step-1 trajectories. Every argument is passed as ``prefect.utilities.annotations
 Prefect neither traverses nor links; futures stay unquoted so they still resolve.
 
 The lineage is also written beside each ``s3://`` artifact (``RunLayout.lineage``), so it outlives
-Prefect's event retention (7 days by default): ``{"asset", "inputs", "flow_run_id", "task_run_id",
-"written_at"}``.
+Prefect's event retention (7 days by default): ``infra.lineage.record``, the same inputs and payload as
+the event.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import time
 
 from prefect import Task, task
-from prefect.assets import materialize
+from prefect.assets import Asset, AssetProperties, materialize
 from prefect.cache_policies import NO_CACHE
+from prefect.context import AssetContext
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
+from infra import lineage
 from infra.layout import RunLayout
+from infra.lineage import ModelAsset
 
 
-def lineage_record(key: str, inputs: list[str]) -> dict:
-    """The record stored beside ``key``: its declared inputs and the Prefect runs that made it."""
+def _run_ids() -> tuple[str, str]:
     from prefect.context import FlowRunContext, TaskRunContext
 
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
-    return {"asset": key, "inputs": sorted(inputs),
-            "flow_run_id": str(flow_ctx.flow_run.id) if flow_ctx and flow_ctx.flow_run else "",
-            "task_run_id": str(task_ctx.task_run.id) if task_ctx else "", "written_at": time.time()}
+    return (str(flow_ctx.flow_run.id) if flow_ctx and flow_ctx.flow_run else "",
+            str(task_ctx.task_run.id) if task_ctx else "")
 
 
-def write_lineage(fs, key: str, inputs: list[str]) -> str | None:
-    """Store :func:`lineage_record` at ``RunLayout.lineage(key)``; returns its URI (None for non-S3 keys)."""
+def write_lineage(fs, key: str, inputs: list[str], properties: dict | None = None) -> str | None:
+    """Store :func:`infra.lineage.record` at ``RunLayout.lineage(key)``; returns its URI (None for non-S3 keys)."""
     if not key.startswith("s3://"):
         return None
     uri = RunLayout.lineage(key)
-    fs.pipe_file(uri, json.dumps(lineage_record(key, inputs), indent=1).encode())
+    fs.pipe_file(uri, json.dumps(lineage.record(key, inputs, properties or {}, *_run_ids()), indent=1,
+                                 default=str).encode())
     return uri
+
+
+def declare_inputs(keys) -> None:
+    """Add inputs to the materialization running now, known only once the stage has its result.
+
+    They join the task's ``asset_deps`` in Prefect's event (``AssetContext.direct_asset_dependencies``, the
+    set ``emit_events`` reads when the task ends) and the record :func:`as_asset` stores.
+
+    Raises:
+        RuntimeError: not inside a materializing task.
+    """
+    ctx = AssetContext.get()
+    if ctx is None or not ctx.downstream_assets:
+        raise RuntimeError("declare_inputs: not inside a materializing task (tasks.lineage.as_asset)")
+    ctx.direct_asset_dependencies.update(k if isinstance(k, Asset) else Asset(key=k) for k in keys)
+
+
+def policy_input(run, version: int) -> Asset:
+    """The weights of policy ``version`` as an input (``Run.policy_asset``).
+
+    A base model folder carries its folder and digest as the asset's name and description, and its record
+    is stored in the run folder (``infra.lineage.BASE_MODEL_RECORD``).
+    """
+    key = run.policy_asset(version)
+    if not key.startswith("model://"):
+        return Asset(key=key)
+    model: ModelAsset = run.base_model
+    folder, digest = model.properties["folder"], model.properties["weights_sha256"]
+    record_uri = f"{run.layout.root}/{lineage.BASE_MODEL_RECORD}"
+    if not run.fs.exists(record_uri):
+        run.fs.pipe_file(record_uri, json.dumps(lineage.record(key, [], model.properties, *_run_ids()),
+                                                indent=1).encode())
+    return Asset(key=key, properties=AssetProperties(name=key.removeprefix("model://").split("@", 1)[0],
+                                                     description=f"base model: HF folder {folder}, "
+                                                                 f"weights sha256 {digest}"))
 
 
 class Materialization:
@@ -76,10 +112,12 @@ class Materialization:
         return Materialization(self.task.with_options(**options))
 
 
-def as_asset(stage: Task, key: str, deps: list[str]) -> Materialization:
+def as_asset(stage: Task, key: str, deps: list) -> Materialization:
     """``stage`` (its first argument: the :class:`~infra.run.Run`) as a materializing task of asset ``key``.
 
-    Its upstream is exactly ``deps``; when the stage returns, the lineage record is written beside ``key``.
+    Its upstream is exactly ``deps`` (keys or :class:`~prefect.assets.Asset`) and what the stage adds with
+    :func:`declare_inputs`; when the stage returns, the record is written beside ``key``: those inputs and,
+    as ``properties``, the metadata the stage attached (``add_asset_metadata``, the event's payload).
     """
     deps = list(deps)
     options = {"cache_policy": stage.cache_policy}
@@ -90,7 +128,9 @@ def as_asset(stage: Task, key: str, deps: list[str]) -> Materialization:
     @functools.wraps(stage.fn)
     def stage_then_lineage(run, *args, **kwargs):
         result = stage.fn(run, *args, **kwargs)
-        write_lineage(run.fs, key, deps)
+        ctx = AssetContext.get()
+        write_lineage(run.fs, key, [a.key for a in ctx.direct_asset_dependencies],
+                      ctx.materialization_metadata.get(key, {}))
         return result
 
     return Materialization(materialize(key, asset_deps=deps, name=stage.name, task_run_name=stage.task_run_name,
@@ -102,7 +142,9 @@ def step_lineage_markdown(run, step: int, objects: dict[str, str], sign_s: int =
     """Markdown of a step's stored objects (label -> ``s3://`` URI) with their declared inputs.
 
     Each object that exists gets its URI, a presigned HTTP link valid ``sign_s`` seconds (S3's
-    maximum is 7 days; the URI itself is permanent) and its inputs from the stored lineage record.
+    maximum is 7 days; the URI itself is permanent) and its inputs from the stored lineage record, each
+    with what the record says of it (the policy version that sampled N tokens, the parent weights) and
+    of the object itself (its tokens by policy version, an eval report's dtype).
     """
     fs = run.fs
     fs.invalidate_cache()
@@ -111,16 +153,20 @@ def step_lineage_markdown(run, step: int, objects: dict[str, str], sign_s: int =
     for label, uri in objects.items():
         if not uri or not fs.exists(uri):
             continue
-        inputs = []
+        rec = {}
         if fs.exists(RunLayout.lineage(uri)):
-            inputs = json.loads(fs.cat_file(RunLayout.lineage(uri)))["inputs"]
+            rec = json.loads(fs.cat_file(RunLayout.lineage(uri)))
+        properties = rec.get("properties", {})
         target = uri if fs.isfile(uri) else f"{uri.rstrip('/')}/manifest.json"
         try:
             link = f"[open]({fs.sign(target, expiration=sign_s)})"
         except (NotImplementedError, ValueError):
             link = ""
-        made_from = "<br>".join(f"`{i}`" for i in inputs) or "(declared none)"
-        lines.append(f"| {label} | `{uri}` | {link} | {made_from} |")
+        made_from = [f"`{i}`" + (f" ({note})" if (note := lineage.edge_note(properties, i)) else "")
+                     for i in rec.get("inputs", [])]
+        own = lineage.node_note(properties)
+        lines.append(f"| {label}{f' ({own})' if own else ''} | `{uri}` | {link} | "
+                     f"{'<br>'.join(made_from) or '(declared none)'} |")
     lines += ["", f"Tree of any of them: `python -m flows.lineage <uri>`; an episode: "
               f"`python -m flows.show_episode --config configs/{run.config.name or 'quickstart'}.toml "
               f"--run-id {run.config.run_id} --step {step} --chosen`."]

@@ -15,7 +15,7 @@ from infra.config import AsyncScheduler, SyncScheduler
 from infra.run import Run
 from infra.store import write_step
 from infra.summary import RolloutStats, egress_totals, episode_time_split
-from tasks.lineage import as_asset
+from tasks.lineage import as_asset, declare_inputs, policy_input
 from tasks.naming import stage_run_name
 
 ROLLOUTS_RESULT_KEY = "agentrl-rollouts/{parameters[run].config.run_id}/step-{parameters[step]}.pickle"
@@ -73,8 +73,11 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
     infra_reasons = Counter(row["reason"] for row in rows if row["outcome"] == "infra_failure")
     acquire = sorted(row["sandbox_acquire_s"] for row in rows if row["sandbox_id"])
     finished = [row for row in rows if row["outcome"] != "infra_failure"]  # episodes that ran to an end
-    versions = sorted({row["min_policy_version"] for row in rows} | {row["max_policy_version"] for row in rows})
-    add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": versions, "bytes": size,
+    version_tokens = policy_version_tokens(rows)
+    producers = {run.policy_asset(v): n for v, n in version_tokens.items()}
+    declare_inputs(policy_input(run, v) for v in version_tokens)  # every policy that sampled a token of it
+    add_asset_metadata(uri, {"rows": len(rows), "step": step, "policy_versions": sorted(version_tokens),
+                             "policy_version_tokens": producers, "bytes": size,
                              "scheduling": {k: round(v, 4) for k, v in scheduling.items()}})
     return RolloutStats(
         uri=uri, rows=len(rows), time_to_batch_s=scheduling.get("time_to_batch_s", elapsed_s),
@@ -88,7 +91,14 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
         completion_tokens_mean=sum(row["completion_tokens"] for row in finished) / max(len(finished), 1),
         turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1),
         verifier_tampered=sum(row["reason"] == "verifier_tampered" for row in rows),
-        episode_time_s=episode_time_split(rows), egress=egress_totals(rows))
+        episode_time_s=episode_time_split(rows), egress=egress_totals(rows),
+        policy_version_tokens=version_tokens)
+
+
+def policy_version_tokens(rows: list[dict]) -> dict[int, int]:
+    """Sampled tokens per policy version over ``rows`` (``policy_versions`` where ``loss_mask`` is 1)."""
+    counts = Counter(v for row in rows for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
+    return dict(sorted(counts.items()))
 
 
 def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,

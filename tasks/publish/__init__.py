@@ -25,7 +25,7 @@ from prefect.futures import PrefectFuture
 from infra.config import ColocatedPublish, DirectPublish, PublishConfig, StoragePublish
 from infra.run import Run
 from infra.summary import PublishResult
-from tasks.lineage import as_asset
+from tasks.lineage import as_asset, policy_input
 from tasks.publish.checkpoint import export_weights, publish_checkpoint
 from tasks.publish.colocated import ColocatedPublication, load_colocated
 from tasks.publish.direct import DirectPublication, load_direct
@@ -90,14 +90,19 @@ class Publisher:
         return time.monotonic() - start
 
     def __call__(self, step: int, trajectories_uri: str) -> PublishResult:
-        """Get version ``step + 1`` (trained on ``trajectories_uri``) to the engine."""
+        """Get version ``step + 1`` (trained on ``trajectories_uri`` from version ``step``) to the engine.
+
+        The checkpoint's inputs are those trajectories and its parent weights (``Run.policy_asset(step)``:
+        checkpoint ``v{step}``, or the base model).
+        """
         start = time.monotonic()
         wait_s = self.wait()
         version = step + 1
         ckpt = self.run.layout.checkpoint(version)
         t_publish = time.monotonic()
+        inputs = [trajectories_uri, policy_input(self.run, version - 1)]
         loaded, self._upload = self._publication.publish(self.run, ckpt, version, step,
-                                                         as_asset(publish_checkpoint, ckpt, [trajectories_uri]))
+                                                         as_asset(publish_checkpoint, ckpt, inputs))
         end = time.monotonic()
         return PublishResult(ckpt, loaded["version"], self.run.config.publish.kind, loaded["pause_s"],
                              loaded["transfer_s"], loaded["refused"], end - t_publish, wait_s, end - start)

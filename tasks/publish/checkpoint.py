@@ -29,17 +29,18 @@ def export_weights(run: Run, version: int) -> str:
 def publish_checkpoint(run: Run, uri: str, version: int, step: int, export_dir: str = "") -> dict:
     """Upload an exported folder (exported now when ``export_dir`` is empty) with the manifest last.
 
-    Run as a materializing task (asset ``uri``, upstream the step's trajectories). The export
-    folder is removed afterwards.
+    Run as a materializing task (asset ``uri``, upstream the step's trajectories and the parent weights,
+    whose key the manifest's ``parent`` names). The export folder is removed afterwards.
 
     Returns:
         The manifest.
     """
     local = Path(export_dir or export_weights.fn(run, version))
     manifest = publish(run.fs, local, uri, version=version, parent_version=version - 1, step=step,
-                       dtype="float32")
+                       dtype="float32", parent=run.policy_asset(version - 1))
     shutil.rmtree(local, ignore_errors=True)
-    add_asset_metadata(uri, {"version": version, "parent_version": manifest["parent_version"], "step": step,
+    add_asset_metadata(uri, {"version": version, "parent_version": manifest["parent_version"],
+                             "parent": manifest["parent"], "step": step,
                              "sha256": {k: v["sha256"] for k, v in manifest["files"].items()}})
     return manifest
 

@@ -236,8 +236,11 @@ def test_lineage_cli_walks_both_ways(finished_run, capsys):
     for source in ("prefect", "s3"):  # the events, and the records stored beside the artifacts
         assert main([f"{run}/trajectories/step-000000.parquet", "--source", source]) == 0
         out = capsys.readouterr().out.splitlines()
-        below = out[out.index(f"{run}/trajectories/step-000000.parquet") + 1:]
-        assert below == ["used by (outputs):", f"  └── {ckpt}", f"      └── {ckpt}/eval.json"], (source, out)
+        (at,) = [i for i, line in enumerate(out) if line.startswith(f"{run}/trajectories/step-000000.parquet")]
+        assert out[at].endswith("· tokens by policy: base model " + out[at].rsplit(" ", 1)[1])  # sampled by v0
+        below = out[at + 1:]
+        assert below == ["used by (outputs):", f"  └── {ckpt}",
+                         f"      └── {ckpt}/eval.json  · evaluated in float32 (serving dtype)"], (source, out)
         assert any(line.lstrip(" │├└─").startswith("docker://agentrl-task-") for line in out[:out.index(below[0])])
 
 
@@ -608,6 +611,7 @@ def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, 
         browser.screenshot(shots / "lineage.png")
         traj = f"s3://agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"
         assert traj in text and "docker://agentrl-task-" in text, text[:2000]
+        assert "model://" in text and "(parent weights)" in text, text[:2000]  # v1's parent: the base model
         link = next(h for h in browser.links() if f"/agentrl/runs/{config.run_id}/trajectories/step-000000.parquet"
                     in h)
     finally:

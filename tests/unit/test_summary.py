@@ -81,17 +81,27 @@ def test_store_step_means_over_episodes_that_ran_to_an_end():
     from tests.helpers import make_row
 
     rows = [make_row(episode_id="e0", completion_tokens=10, num_turns=1),
-            make_row(episode_id="e1", completion_tokens=30, num_turns=4, outcome="model_failure", reward=0.0),
+            make_row(episode_id="e1", completion_tokens=30, num_turns=4, outcome="model_failure", reward=0.0,
+                     policy_versions=[-1, -1, 0, 4], min_policy_version=0),
             make_row(episode_id="e2", completion_tokens=0, num_turns=0, outcome="infra_failure", reason="sandbox_lost",
                      reward=0.0)]
     rows = [{**r, "sandbox_warm": True} for r in rows]
-    run = SimpleNamespace(layout=RunLayout("b", "runs", "r"), fs=_Files())
+    base = "s3://b/runs/other/checkpoints/v3"  # version 0 of a run started from another run's checkpoint
+    run = SimpleNamespace(layout=RunLayout("b", "runs", "r"), fs=_Files(),
+                          policy_asset=lambda v: RunLayout("b", "runs", "r").checkpoint(v) if v else base)
 
     def materializing(step: int) -> AssetContext:  # store_step records asset metadata, as in collect_rollouts
         return AssetContext(downstream_assets={Asset(key=run.layout.trajectories(step))})
 
-    with materializing(0):
+    with materializing(0) as ctx:
         stats = store_step(run, 0, rows, [], {}, 1.5)
+    # sampled tokens by version (make_row: versions [-1, -1, 3, 4], e1's [-1, -1, 0, 4]): v0 1, v3 2, v4 3,
+    # infra failures' tokens included (they are in the file); each version is an input of the file
+    assert stats.policy_version_tokens == {0: 1, 3: 2, 4: 3}
+    v3, v4 = run.layout.checkpoint(3), run.layout.checkpoint(4)
+    assert {a.key for a in ctx.direct_asset_dependencies} == {base, v3, v4}
+    assert ctx.materialization_metadata[run.layout.trajectories(0)]["policy_version_tokens"] == {base: 1, v3: 2,
+                                                                                                v4: 3}
     # the infra failure is left out: (10 + 30) / 2 = 20 tokens, (1 + 4) / 2 = 2.5 turns
     assert (stats.completion_tokens_mean, stats.turns_mean) == (20.0, 2.5)
     assert (stats.reward_mean, stats.outcomes, stats.infra_reasons) == (1 / 3, {"success": 1, "model_failure": 1,
