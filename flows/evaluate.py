@@ -74,8 +74,12 @@ def evaluate(config: RunConfig = DEFAULT_CONFIG, version: int | None = None, for
             reason = ("forced" if same else f"dtype {stored.get('dtype')} -> {dtype}" if stored.get("dtype") != dtype
                       else f"version {stored.get('version')} -> {version}" if stored.get("version") != version
                       else f"settings {stored.get('settings')} -> {eval_settings(config)}")
-            if stored.get("dtype") != dtype:  # keep the report of the old serving precision
-                run.fs.copy(report_uri, layout.eval_served(version, stored.get("dtype")))
+            if stored.get("dtype") != dtype:  # keep the report of the old serving precision, with its lineage
+                kept = layout.eval_served(version, stored.get("dtype"))
+                run.fs.copy(report_uri, kept)
+                if run.fs.exists(layout.lineage(report_uri)):
+                    record = {**json.loads(run.fs.cat_file(layout.lineage(report_uri))), "asset": kept}
+                    run.fs.pipe_file(layout.lineage(kept), json.dumps(record, indent=1).encode())
             get_run_logger().info("re-evaluating v%d: %s", version, reason)
         run.serve_published(version)
         previous = layout.eval_report(version - 1, dtype, mismatch)

@@ -18,6 +18,7 @@ import sys
 
 import httpx
 
+from infra.config import StorageConfig
 from infra.lineage import StoredLineage, run_root, tree
 
 EVENT = "prefect.asset.materialization.succeeded"
@@ -38,16 +39,27 @@ def _events(api_url: str, body_filter: dict) -> list[dict]:
     return events
 
 
+def _newest(api_url: str, uri: str) -> dict | None:
+    events = _events(api_url, {"resource": {"id": [uri]}})
+    return max(events, key=lambda e: e["occurred"]) if events else None
+
+
 def upstream_of(api_url: str, uri: str) -> set[str]:
-    """Assets the materializations of ``uri`` declared as dependencies."""
-    return {r["prefect.resource.id"] for e in _events(api_url, {"resource": {"id": [uri]}})
-            for r in e["related"] if r.get("prefect.resource.role") == "asset"}
+    """Assets the newest materialization of ``uri`` declared as dependencies.
+
+    The newest only, as the record stored beside the artifact: a stage run again (a resumed step, a run id
+    reused) declares what it used then, and the older events are history, not inputs.
+    """
+    event = _newest(api_url, uri)
+    return {r["prefect.resource.id"] for r in (event or {}).get("related", [])
+            if r.get("prefect.resource.role") == "asset"}
 
 
 def downstream_of(api_url: str, uri: str) -> set[str]:
-    """Assets whose materializations declared ``uri`` as a dependency."""
+    """Assets whose newest materialization declared ``uri`` as a dependency."""
     events = _events(api_url, {"related": {"resources_in_roles": [[uri, "asset"]]}})
-    return {e["resource"]["prefect.resource.id"] for e in events} - {uri}
+    return {key for key in {e["resource"]["prefect.resource.id"] for e in events} - {uri}
+            if uri in upstream_of(api_url, key)}
 
 
 def walk(api_url: str, uri: str, direction: str, max_depth: int = 10) -> list[tuple[int, str]]:
@@ -69,8 +81,15 @@ def walk(api_url: str, uri: str, direction: str, max_depth: int = 10) -> list[tu
 
 def payload_of(api_url: str, uri: str) -> dict:
     """The payload (materialization metadata) of the newest materialization of ``uri`` ({} when none)."""
-    events = sorted(_events(api_url, {"resource": {"id": [uri]}}), key=lambda e: e["occurred"])
-    return dict(events[-1].get("payload") or {}) if events else {}
+    event = _newest(api_url, uri)
+    return dict(event.get("payload") or {}) if event else {}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--depth {text}: expected a whole number of levels >= 1")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", choices=["s3", "prefect"], default="s3",
                         help="lineage records on S3 beside the artifacts (default) or Prefect's asset events")
     parser.add_argument("--api-url", default=None, help="Prefect API URL (default: PREFECT_API_URL)")
-    parser.add_argument("--depth", type=int, default=None, help="levels shown above and below (default: all)")
+    parser.add_argument("--depth", type=_positive, default=None, help="levels shown above and below (default: all)")
+    parser.add_argument("--runs", default=f"s3://{StorageConfig().bucket}/{StorageConfig().prefix}",
+                        help="the folder of runs in which a model:// key's records and users are looked for "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     uri = args.uri.rstrip("/")
     if args.source == "prefect":
@@ -90,23 +112,31 @@ def main(argv: list[str] | None = None) -> int:
         if not api_url:
             print("error: no Prefect API: set PREFECT_API_URL or pass --api-url", file=sys.stderr)
             return 2
+
         def cached(query):  # one API call per node and question
             return functools.lru_cache(maxsize=None)(lambda n: query(api_url, n))
 
-        lines = tree(uri, cached(upstream_of), cached(downstream_of), cached(payload_of), args.depth)
+        try:
+            lines = tree(uri, cached(upstream_of), cached(downstream_of), cached(payload_of), args.depth)
+        except httpx.HTTPError as e:
+            print(f"error: Prefect API {api_url}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     else:
         from infra.storage import s3_filesystem
 
         try:
-            root = run_root(uri)
+            root = args.runs.rstrip("/") if uri.startswith("model://") else run_root(uri)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        stored = StoredLineage(s3_filesystem(root.removeprefix("s3://").split("/")[0]))
-        records = stored.load(root)
-        if uri not in records and not any(uri in r["inputs"] for r in records.values()):
-            print(f"error: {args.uri}: no lineage record under {root} ({len(records)} artifact(s) have one)",
-                  file=sys.stderr)
+        stored = StoredLineage(s3_filesystem(root.removeprefix("s3://").split("/")[0]), runs=args.runs)
+        if uri.startswith("model://"):
+            stored.load_runs(root)
+        records = stored.load(root) if not uri.startswith("model://") else {}
+        known = stored.record_of(uri) is not None or any(uri in r["inputs"] for r in records.values()) or (
+            uri.startswith("model://") and stored.outputs(uri))
+        if not known:
+            print(f"error: {args.uri}: no lineage record under {root}", file=sys.stderr)
             return 2
         lines = tree(uri, stored.inputs, stored.outputs, stored.properties, args.depth)
     print("\n".join(lines))

@@ -85,6 +85,9 @@ def run_root(uri: str) -> str:
     Raises:
         ValueError: ``uri`` is not an artifact inside a run folder.
     """
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{uri}: not an s3:// artifact URI (expected s3://bucket/prefix/run_id/"
+                         f"{{{','.join(RUN_FOLDERS)}}}/..., or a model://… key with --runs)")
     parts = uri.rstrip("/").split("/")
     for i, part in enumerate(parts):
         if part in RUN_FOLDERS and i > 3:
@@ -93,11 +96,15 @@ def run_root(uri: str) -> str:
                      f"{{{','.join(RUN_FOLDERS)}}}/...)")
 
 
-def version_label(key: str) -> str:
-    """``v3`` for a checkpoint key, ``base model`` for a model key, else the key."""
+def version_label(key: str, home: str = "") -> str:
+    """How a policy's key is named in a note: ``v3``, ``<run_id> v3``, ``base model``, else the key itself.
+
+    A checkpoint of the run folder ``home`` is ``v3``; another run's (or any, without ``home``) ``<run_id> v3``.
+    """
     tail = key.rstrip("/").rsplit("/", 1)[-1]
     if "/checkpoints/" in key and tail[1:].isdigit():
-        return tail
+        root = run_root(key)
+        return tail if root == home else f"{root.rsplit('/', 1)[-1]} {tail}"
     return "base model" if key.startswith("model://") else key
 
 
@@ -112,26 +119,40 @@ def edge_note(properties: dict, input_key: str) -> str:
     return "; ".join(notes)
 
 
-def node_note(properties: dict) -> str:
-    """What to show beside an artifact of its own properties ("" if nothing)."""
+def node_note(properties: dict, key: str = "") -> str:
+    """What to show beside the artifact ``key`` of its own properties ("" if nothing).
+
+    Checkpoints of ``key``'s own run are named ``vN``, another run's ``<run_id> vN``.
+    """
     if properties.get("kind") == "base_model":
         return f"base model, folder {properties.get('folder', '?')}"
-    if "dtype" in properties and "pass_at_1" in properties:
-        mismatch = ", NOT the serving dtype" if properties.get("precision_mismatch") else " (serving dtype)"
+    if "dtype" in properties and "precision_mismatch" in properties:  # an eval report, whatever its k
+        mismatch = ", NOT the serving dtype" if properties["precision_mismatch"] else " (serving dtype)"
         return f"evaluated in {properties['dtype']}{mismatch}"
     tokens = properties.get("policy_version_tokens")
     if tokens:
-        return "tokens by policy: " + ", ".join(f"{version_label(k)} {n}" for k, n in sorted(tokens.items()))
+        home = run_root(key) if key.startswith("s3://") else ""
+        return "tokens by policy: " + ", ".join(f"{version_label(k, home)} {n}" for k, n in sorted(tokens.items()))
     return ""
 
 
 class StoredLineage:
-    """The lineage records on S3, read per run folder on first need (also other runs' folders)."""
+    """The lineage records on S3, read per run folder on first need (also other runs' folders).
 
-    def __init__(self, fs) -> None:
-        """Read with the s3fs filesystem ``fs`` (its listings are invalidated once per run folder)."""
+    What used a checkpoint or a base model may be in another run (one started from it), so asking for their
+    outputs reads every run folder beside theirs (a checkpoint's) or under ``runs`` (a ``model://`` key):
+    one listing per run folder, once.
+    """
+
+    def __init__(self, fs, runs: str = "") -> None:
+        """Read with the s3fs filesystem ``fs``.
+
+        ``runs`` (``s3://bucket/prefix``) holds the runs in which a base model's users are looked for.
+        """
         self.fs = fs
+        self.runs = runs.rstrip("/")
         self._roots: dict[str, dict[str, dict]] = {}
+        self._all_read: set[str] = set()
 
     def load(self, root: str) -> dict[str, dict]:
         """Every record under the run folder ``root``: artifact -> record (read once)."""
@@ -143,6 +164,17 @@ class StoredLineage:
                 found[rec["asset"]] = rec
             self._roots[root] = found
         return self._roots[root]
+
+    def load_runs(self, runs: str) -> None:
+        """Load every run folder under ``runs`` (``s3://bucket/prefix``), once."""
+        runs = runs.rstrip("/")
+        if runs in self._all_read:
+            return
+        self.fs.invalidate_cache()
+        for entry in self.fs.ls(runs.removeprefix("s3://"), detail=True):
+            if entry["type"] == "directory":
+                self.load("s3://" + entry["name"].strip("/"))
+        self._all_read.add(runs)
 
     def record_of(self, key: str) -> dict | None:
         """The record of ``key`` (an artifact of any run already loaded, or of its own run folder)."""
@@ -162,8 +194,12 @@ class StoredLineage:
         return list(rec["inputs"]) if rec else []
 
     def outputs(self, key: str) -> list[str]:
-        """Artifacts (of the runs loaded so far) that declared ``key`` as an input."""
+        """Artifacts that declared ``key`` as an input (for weights: in any run beside them)."""
         self.record_of(key)
+        if key.startswith("model://") and self.runs:
+            self.load_runs(self.runs)
+        elif "/checkpoints/" in key and key.startswith("s3://"):
+            self.load_runs(run_root(key).rsplit("/", 1)[0])
         return sorted({a for records in self._roots.values() for a, r in records.items() if key in r["inputs"]})
 
     def properties(self, key: str) -> dict:
@@ -178,29 +214,35 @@ def tree(uri: str, inputs_of: Callable[[str], list[str]], outputs_of: Callable[[
 
     Each edge carries what the records say of it (:func:`edge_note`), each node what it says of itself
     (:func:`node_note`). A node reached twice is expanded once (``(see above)`` after), so a long chain
-    prints in lines linear in its artifacts; ``max_depth`` bounds the levels shown on each side.
+    prints in lines linear in its artifacts; ``max_depth`` bounds the levels shown on each side, and a node
+    at the bound whose own inputs (outputs) are not shown says how many there are.
     """
     def note(text: str) -> str:
         return f"  · {text}" if text else ""
 
+    def children(node: str, upward: bool) -> list[str]:
+        return sorted(set(inputs_of(node) if upward else outputs_of(node)))
+
     def branch(node: str, upward: bool, prefix: str, depth: int, expanded: set) -> list[str]:
-        if max_depth is not None and depth >= max_depth:
-            return []
-        kids = sorted(set(inputs_of(node) if upward else outputs_of(node)))
+        kids = children(node, upward)
         lines = []
         for i, kid in enumerate(kids):
             last = i == len(kids) - 1
             edge = edge_note(properties_of(node), kid) if upward else edge_note(properties_of(kid), node)
-            own = node_note(properties_of(kid))
-            seen = kid in expanded
-            lines.append(f"{prefix}{'└── ' if last else '├── '}{kid}{note('; '.join(x for x in (edge, own) if x))}"
-                         f"{' (see above)' if seen else ''}")
-            if not seen:
+            notes = "; ".join(x for x in (edge, node_note(properties_of(kid), kid)) if x)
+            text = f"{prefix}{'└── ' if last else '├── '}{kid}{note(notes)}"
+            if kid in expanded:
+                lines.append(f"{text} (see above)")
+            elif max_depth is not None and depth + 1 >= max_depth:  # the bound: not expanded, not marked seen
+                hidden = len(children(kid, upward))
+                lines.append(f"{text} (+{hidden} more: --depth)" if hidden else text)
+            else:
                 expanded.add(kid)
+                lines.append(text)
                 lines += branch(kid, upward, prefix + ("    " if last else "│   "), depth + 1, expanded)
         return lines
 
     above = branch(uri, True, "  ", 0, {uri})
     below = branch(uri, False, "  ", 0, {uri})
-    return ["made from (inputs):", *(above or ["  (none recorded)"]), uri + note(node_note(properties_of(uri))),
+    return ["made from (inputs):", *(above or ["  (none recorded)"]), uri + note(node_note(properties_of(uri), uri)),
             "used by (outputs):", *(below or ["  (none recorded)"])]

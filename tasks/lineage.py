@@ -148,9 +148,8 @@ def step_lineage_markdown(run, step: int, objects: dict[str, str], sign_s: int =
     """
     fs = run.fs
     fs.invalidate_cache()
-    lines = [f"# {run.config.run_id}: step {step}, what it made and from what", "",
-             "| object | stored at | open | made from |", "|---|---|---|---|"]
-    for label, uri in objects.items():
+    lines = [f"# {run.config.run_id}: step {step}, what it made and from what"]
+    for label, uri in objects.items():  # one section each, inputs listed below: long keys stay readable
         if not uri or not fs.exists(uri):
             continue
         rec = {}
@@ -159,15 +158,18 @@ def step_lineage_markdown(run, step: int, objects: dict[str, str], sign_s: int =
         properties = rec.get("properties", {})
         target = uri if fs.isfile(uri) else f"{uri.rstrip('/')}/manifest.json"
         try:
-            link = f"[open]({fs.sign(target, expiration=sign_s)})"
+            link = f" · [open]({fs.sign(target, expiration=sign_s)})"
         except (NotImplementedError, ValueError):
             link = ""
-        made_from = [f"`{i}`" + (f" ({note})" if (note := lineage.edge_note(properties, i)) else "")
-                     for i in rec.get("inputs", [])]
-        own = lineage.node_note(properties)
-        lines.append(f"| {label}{f' ({own})' if own else ''} | `{uri}` | {link} | "
-                     f"{'<br>'.join(made_from) or '(declared none)'} |")
-    lines += ["", f"Tree of any of them: `python -m flows.lineage <uri>`; an episode: "
+        own = lineage.node_note(properties, uri)
+        lines += ["", f"### {label}{f' ({own})' if own else ''}", "", f"`{uri}`{link}", ""]
+        if not rec:
+            lines.append("no lineage record (not a materialized asset)")
+            continue
+        lines += ["made from:", ""] if rec["inputs"] else ["made from: (declared none)"]
+        lines += [f"- `{i}`" + (f" ({note})" if (note := lineage.edge_note(properties, i)) else "")
+                  for i in rec["inputs"]]
+    lines += ["", f"The whole tree of an object with a record: `python -m flows.lineage <uri>`; an episode: "
               f"`python -m flows.show_episode --config configs/{run.config.name or 'quickstart'}.toml "
               f"--run-id {run.config.run_id} --step {step} --chosen`."]
     return "\n".join(lines)

@@ -132,3 +132,10 @@ def test_a_run_started_from_another_runs_checkpoint_continues_its_chain(two_runs
     out = capsys.readouterr().out
     assert other_v2 in out and f"s3://agentrl/runs/{first.run_id}/checkpoints/v1" in out
     assert model_asset(tiny_model).key in out
+    assert f"tokens by policy: {first.run_id} v2 " in out  # another run's version is named with its run
+    # and down: what was made from the first run's v2 includes the second run's checkpoint and trajectories
+    assert {f"{root}/checkpoints/v1", f"{root}/trajectories/step-000000.parquet"} <= set(
+        StoredLineage(s3).outputs(other_v2))
+    assert main([model_asset(tiny_model).key, "--depth", "1"]) == 0  # a base model is looked up by its key
+    below = capsys.readouterr().out.split("used by (outputs):")[1]
+    assert f"s3://agentrl/runs/{first.run_id}/checkpoints/v1  · parent weights" in below

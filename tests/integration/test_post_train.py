@@ -533,6 +533,7 @@ def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(evalua
     config, _ = evaluated_run
     ckpt = f"agentrl/runs/{config.run_id}/checkpoints/v1"
     before = json.loads(s3.cat_file(f"{ckpt}/eval.json"))
+    before_lineage = json.loads(s3.cat_file(f"{ckpt}/eval.json.lineage.json"))
     # same dtype and settings: the stored report is served, nothing re-runs
     again = evaluate(config, version=1)
     assert again["reused"] is True and again["evaluated_at"] == before["evaluated_at"]
@@ -560,6 +561,10 @@ def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(evalua
     s3.invalidate_cache()
     assert json.loads(s3.cat_file(f"{ckpt}/eval.json"))["dtype"] == "bfloat16"
     assert json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json"))["evaluated_at"] == before["evaluated_at"]
+    kept = json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json.lineage.json"))  # its lineage kept with it
+    assert (kept["asset"], kept["inputs"], kept["properties"]["dtype"]) == (
+        f"{ckpt}/eval-served-float32.json", before_lineage["inputs"], "float32")
+    assert json.loads(s3.cat_file(f"{ckpt}/eval.json.lineage.json"))["properties"]["dtype"] == "bfloat16"
 
 
 def test_prefect_ui_shows_the_run_its_episodes_banner_and_lineage(finished_run, s3, checkout_server, tmp_path):

@@ -36,7 +36,13 @@ def test_notes_name_the_policy_tokens_parent_and_dtype():
     assert lineage.edge_note(traj, v1) == "policy that sampled 3 tokens"
     assert lineage.edge_note({"parent": base}, base) == "parent weights"
     assert lineage.edge_note(traj, "docker://img") == ""
-    assert lineage.node_note(traj) == "tokens by policy: base model 12, v1 3"
+    assert lineage.node_note(traj, f"{RUN}/trajectories/step-000001.parquet") == "tokens by policy: base model 12, v1 3"
+    # a run started from another run's checkpoint: that checkpoint is named with its run
+    other = {"policy_version_tokens": {"s3://agentrl/runs/first/checkpoints/v2": 4}}
+    assert lineage.node_note(other, f"{RUN}/trajectories/step-000000.parquet") == "tokens by policy: first v2 4"
+    # an eval report with only pass@4 still says its dtype
+    assert lineage.node_note({"dtype": "float32", "pass_at_4": 0.5, "precision_mismatch": True}) == \
+        "evaluated in float32, NOT the serving dtype"
     assert lineage.node_note({"dtype": "bfloat16", "pass_at_1": 0.5, "precision_mismatch": False}) == \
         "evaluated in bfloat16 (serving dtype)"
 
@@ -74,9 +80,9 @@ def test_tree_walks_the_chain_to_the_base_model_and_expands_each_node_once():
         f"      └── {RUN}/checkpoints/v1  · policy that sampled 7 tokens (see above)",
         f"{RUN}/checkpoints/v2",
         "used by (outputs):", "  (none recorded)"]
-    assert _tree(f"{RUN}/checkpoints/v2", records, depth=1)[1:3] == [
-        f"  ├── {RUN}/checkpoints/v1  · parent weights",
-        f"  └── {RUN}/trajectories/step-000001.parquet  · tokens by policy: v1 7"]
+    assert _tree(f"{RUN}/checkpoints/v2", records, depth=1)[1:3] == [  # each has 2 inputs not shown
+        f"  ├── {RUN}/checkpoints/v1  · parent weights (+2 more: --depth)",
+        f"  └── {RUN}/trajectories/step-000001.parquet  · tokens by policy: v1 7 (+2 more: --depth)"]
     below = _tree("model://m@sha256:ab", records)
     assert below[below.index("used by (outputs):") + 1:][:2] == [
         f"  ├── {RUN}/checkpoints/v1  · parent weights",
@@ -97,3 +103,26 @@ def test_stored_lineage_follows_an_input_into_another_runs_folder():
     assert stored.properties(v1) == {"parent": other_v3} and stored.properties("docker://img") == {}
     with pytest.raises(ValueError, match="not an artifact of a run"):
         lineage.run_root("s3://agentrl/elsewhere.json")
+
+
+def test_a_node_cut_at_the_depth_bound_is_expanded_where_it_appears_higher():
+    # a <- (b, c), b <- d, d <- c, c <- e: at depth 3, c is met first at the bound (under b, d), then under a
+    records = {"a": {"inputs": ["b", "c"]}, "b": {"inputs": ["d"]}, "d": {"inputs": ["c"]}, "c": {"inputs": ["e"]}}
+    out = _tree("a", records, depth=3)
+    assert out[:out.index("a")] == ["made from (inputs):", "  ├── b", "  │   └── d",
+                                     "  │       └── c (+1 more: --depth)", "  └── c", "      └── e"]
+
+
+def test_outputs_of_weights_are_found_in_the_runs_beside_them():
+    fs = fsspec.filesystem("memory")
+    base = "model://m@sha256:ab"
+    first_v2 = "s3://agentrl/runs/first/checkpoints/v2"
+    second_v1, second_t0 = "s3://agentrl/runs/second/checkpoints/v1", "s3://agentrl/runs/second/trajectories/step-000000.parquet"
+    for key, inputs in ((first_v2, [base]), (second_v1, [first_v2, second_t0]), (second_t0, [first_v2])):
+        fs.pipe_file(f"{key.removeprefix('s3://')}.lineage.json", json.dumps(lineage.record(key, inputs, {})).encode())
+    # the second run's records are read although nothing of it was asked for: it was started from first's v2
+    assert lineage.StoredLineage(fs).outputs(first_v2) == [second_v1, second_t0]
+    assert lineage.StoredLineage(fs).outputs(base) == []  # a model key's users: only under runs=
+    assert lineage.StoredLineage(fs, runs="s3://agentrl/runs").outputs(base) == [first_v2]
+    with pytest.raises(ValueError, match="not an s3:// artifact URI"):
+        lineage.run_root("/data/runs/r/checkpoints/v1")
