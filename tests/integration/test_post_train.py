@@ -563,7 +563,7 @@ def test_evaluate_flow_reuses_refuses_and_reevaluates_on_precision_change(evalua
     assert json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json"))["evaluated_at"] == before["evaluated_at"]
     kept = json.loads(s3.cat_file(f"{ckpt}/eval-served-float32.json.lineage.json"))  # its lineage kept with it
     assert (kept["asset"], kept["inputs"], kept["properties"]["dtype"]) == (
-        f"{ckpt}/eval-served-float32.json", before_lineage["inputs"], "float32")
+        f"s3://{ckpt}/eval-served-float32.json", before_lineage["inputs"], "float32")
     assert json.loads(s3.cat_file(f"{ckpt}/eval.json.lineage.json"))["properties"]["dtype"] == "bfloat16"
 
 
