@@ -17,13 +17,15 @@ version; tool calls are parsed with vLLM's own parser for the model family
 Sampling parameters are the run's (the trainer computes logprobs under them); a request's
 ``temperature``/``top_p`` are overridden and counted. ``max_tokens`` is capped by the run's per-turn
 budget and the context room. Errors are OpenAI-style bodies (``{"error": {"message", "type", "param",
-"code"}}``); an erroring request records nothing.
+"code"}}``; Anthropic's shape on its routes); an erroring request records nothing.
 
-Routes: ``POST /e/{key}/v1/chat/completions``, ``GET /e/{key}/v1/models`` (also at ``/v1/...`` with
-``Authorization: Bearer {key}``) and ``POST /e/{key}/sandbox/exec`` (an out-of-process harness runs
-commands in the episode's sandbox: ``{"command", "timeout_s"?, "shell"?}`` -> ``{"output", "exit_code",
-"timed_out", "duration_s"}``; ``"shell": false`` runs it under its own ``bash -c``, as Harbor's
-environments do, instead of in the sandbox's persistent shell).
+Routes: ``POST /e/{key}/v1/chat/completions``, ``POST /e/{key}/v1/messages`` and ``.../messages/count_tokens``
+(Anthropic's Messages API, translated by :mod:`infra.rollout.wire_anthropic`), ``GET /e/{key}/v1/models`` (also
+at ``/v1/...`` with ``Authorization: Bearer {key}`` or Anthropic's ``x-api-key: {key}``) and
+``POST /e/{key}/sandbox/exec`` (an out-of-process harness runs commands in the episode's sandbox:
+``{"command", "timeout_s"?, "shell"?}`` -> ``{"output", "exit_code", "timed_out", "duration_s"}``;
+``"shell": false`` runs it under its own ``bash -c``, as Harbor's environments do, instead of in the
+sandbox's persistent shell).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route handlers' annotations at runtime.
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from infra.rollout.engine import Sample
+from infra.rollout.gateway_errors import GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +55,6 @@ UNSUPPORTED = {  # request field -> the value we serve (anything else is refused
     "bad_words": [], "min_p": None, "repetition_penalty": None, "logprob_token_ids": None,
 }
 """Parameters the trainer could not account for (they change the sampling distribution or the reply count)."""
-
-
-class GatewayError(Exception):
-    """A request refused: HTTP ``status`` and an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param,
-                                                    "code": code}}
 
 
 class GatewayEpisode(Protocol):
@@ -186,6 +179,11 @@ class Endpoint:
     key: str
     exec_url: str
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base an Anthropic client takes (it appends ``/v1/messages``): ``base_url`` without ``/v1``."""
+        return self.base_url.removesuffix("/v1")
+
 
 class Gateway:
     """The HTTP server (uvicorn, a daemon thread, loopback); one :class:`Endpoint` per open episode.
@@ -206,6 +204,7 @@ class Gateway:
         self.refused = 0  # requests answered with an error
         self.calls = 0  # completions served
         self.overhead_s = 0.0  # seconds spent in the gateway itself (rendering, parsing), engine time excluded
+        self.side_calls: dict[str, int] = {}  # calls answered without sampling (token counts), by kind
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
@@ -308,6 +307,36 @@ class Gateway:
                 "choices": [{"index": 0, "message": reply["message"], "logprobs": None, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
                           "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+
+    # -- Anthropic Messages (infra.rollout.wire_anthropic) ---------------------------------------
+    def complete_messages(self, key: str, body: Any) -> dict:
+        """Serve one Anthropic Messages request body for episode ``key`` through :meth:`complete`.
+
+        Raises:
+            GatewayError: as :meth:`complete`, or the body is not a valid Messages request.
+        """
+        from infra.rollout import wire_anthropic
+
+        self._session(key)
+        chat = wire_anthropic.chat_body(body)
+        if isinstance(body, dict) and body.get("thinking") is not None:
+            self.overridden["thinking"] = self.overridden.get("thinking", 0) + 1
+        return wire_anthropic.messages_response(self.complete(key, chat))
+
+    def count_tokens(self, key: str, body: Any) -> dict:
+        """Anthropic's ``count_tokens``: the prompt ids the request would render to; nothing is sampled or recorded.
+
+        Raises:
+            GatewayError: unknown key, or the body is not a valid count_tokens request.
+        """
+        from infra.rollout import wire_anthropic
+
+        self._session(key)
+        chat = wire_anthropic.chat_body(body, count_only=True)
+        text = self.renderer.render(normalize_messages(chat["messages"]), chat.get("tools"), True)
+        with self._lock:
+            self.side_calls["count_tokens"] = self.side_calls.get("count_tokens", 0) + 1
+        return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
 
     def _parse(self, body: Any):
         from pydantic import ValidationError
@@ -442,13 +471,41 @@ class Gateway:
                 return StreamingResponse(_sse_chunks(response, usage), media_type="text/event-stream")
             return JSONResponse(response)
 
+        async def anthropic_call(key: str, request: Request, serve):
+            from infra.rollout import wire_anthropic
+
+            try:
+                body = await body_of(request)
+                response = await run_in_threadpool(serve, key, body)
+            except GatewayError as err:
+                self.refused += 1
+                return JSONResponse(wire_anthropic.error_body(err), status_code=err.status)
+            except Exception as err:  # noqa: BLE001 - as for chat
+                log.exception("gateway: messages call for %s failed", key)
+                self._fail(key)
+                self.refused += 1
+                return JSONResponse(wire_anthropic.error_body(GatewayError(
+                    500, f"internal error: {type(err).__name__}: {err}", "server_error")), status_code=500)
+            if serve == self.complete_messages and isinstance(body, dict) and body.get("stream"):
+                return StreamingResponse(wire_anthropic.sse_events(response), media_type="text/event-stream")
+            return JSONResponse(response)
+
+        async def messages(key: str, request: Request):
+            return await anthropic_call(key, request, self.complete_messages)
+
+        async def count_tokens(key: str, request: Request):
+            return await anthropic_call(key, request, self.count_tokens)
+
         async def models(key: str):
             try:
                 s = self._session(key)
             except GatewayError as err:
                 return error(err)
-            return JSONResponse({"object": "list", "data": [{"id": s.episode.model_name, "object": "model",
-                                                             "owned_by": "agentrl"}]})
+            name = s.episode.model_name  # one list both SDKs read: OpenAI's fields and Anthropic's
+            return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agentrl",
+                                                             "type": "model", "display_name": name,
+                                                             "created_at": "1970-01-01T00:00:00Z"}],
+                                 "has_more": False, "first_id": name, "last_id": name})
 
         async def exec_(key: str, request: Request):
             try:
@@ -461,6 +518,8 @@ class Gateway:
                 return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
 
         app.post("/e/{key}/v1/chat/completions")(chat)
+        app.post("/e/{key}/v1/messages")(messages)
+        app.post("/e/{key}/v1/messages/count_tokens")(count_tokens)
         app.get("/e/{key}/v1/models")(models)
         app.post("/e/{key}/sandbox/exec")(exec_)
 
@@ -468,14 +527,23 @@ class Gateway:
         async def chat_bearer(request: Request):
             return await chat(bearer(request), request)
 
+        @app.post("/v1/messages")
+        async def messages_keyed(request: Request):  # Anthropic clients send x-api-key (or a bearer token)
+            return await messages(request.headers.get("x-api-key") or bearer(request), request)
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens_keyed(request: Request):
+            return await count_tokens(request.headers.get("x-api-key") or bearer(request), request)
+
         @app.get("/v1/models")
         async def models_bearer(request: Request):
-            return await models(bearer(request))
+            return await models(request.headers.get("x-api-key") or bearer(request))
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def not_served(path: str):
-            return error(GatewayError(404, f"/{path} is not served: this gateway speaks the OpenAI chat-completions "
-                                      "API only (POST .../v1/chat/completions, GET .../v1/models)",
+            return error(GatewayError(404, f"/{path} is not served: this gateway speaks OpenAI chat completions "
+                                      "(POST .../v1/chat/completions) and Anthropic Messages (POST .../v1/messages, "
+                                      ".../v1/messages/count_tokens), and lists models (GET .../v1/models)",
                                       code="not_found"))
 
         return app
