@@ -4,13 +4,14 @@ Both sides drive the same in-process vLLM engine with the same prompt ids, sampl
 seeds, in alternating pairs (so both see the same machine state):
 
 - direct: ``engine.generate([SampleRequest(ids, ...)])``, the ids rendered once beforehand;
-- gateway: an OpenAI chat-completions request over loopback HTTP (``httpx``) to the episode's
-  endpoint: JSON parsing and validation (vLLM's ``ChatCompletionRequest``), chat-template rendering,
-  the engine call, the reply (and its JSON) back.
+- gateway, once per wire format (OpenAI chat completions; Anthropic Messages, ``system`` as its top-level
+  field), over loopback HTTP (``httpx``) to the episode's endpoint: JSON parsing and validation, the
+  format's translation, chat-template rendering, the engine call, the reply (and its JSON) back. The
+  formats take turns going first.
 
-Prints the median and p90 per-call wall time of each, their ratio (gateway / direct) and the
-gateway's own time (rendering, parsing, excluding the engine) per call. Each pair is checked to have
-sampled the same ids (the same prompt ids reached the engine).
+Prints the median and p90 per-call wall time of each, their ratio (format / direct) and the gateway's
+own time (translation, rendering, parsing, excluding the engine) per call. Each call is checked to have
+sampled the same ids as the direct one (the same prompt ids reached the engine).
 
 Usage: ``python -m benchmarks.gateway_overhead [--calls 24] [--max-tokens 32]``.
 """
@@ -67,41 +68,60 @@ def main(argv: list[str] | None = None) -> int:
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=2048, kv_cache_gib=1.0)
     gateway = Gateway(engine.tokenizer, tool_parser="")
     client = httpx.Client(timeout=120)
-    direct_s, gateway_s, same = [], [], 0
+
+    def chat(endpoint, messages):
+        return client.post(endpoint.base_url + "/chat/completions", json={"model": "policy", "messages": messages})
+
+    def anthropic_messages(endpoint, messages):  # system as the top-level field, as Anthropic clients send it
+        return client.post(endpoint.anthropic_base_url + "/v1/messages",
+                           json={"model": "policy", "max_tokens": args.max_tokens, "system": messages[0]["content"],
+                                 "messages": messages[1:]})
+
+    formats = {"chat_completions": chat, "anthropic_messages": anthropic_messages}
+    wall = {name: [] for name in ("direct", *formats)}
+    own = {name: [] for name in formats}
+    same = dict.fromkeys(formats, 0)
     try:
-        for i in range(args.calls + 2):  # the first two pairs warm up (not counted)
+        for i in range(args.calls + 2):  # the first two rounds warm up (not counted)
             messages = [{"role": "system", "content": SYSTEM_PROMPT},
                         {"role": "user", "content": f"Write the number {i} to /app/n.txt, then say DONE."}]
-            ep = _Episode(engine, args.max_tokens, seed=1000 + i)
-            endpoint = gateway.open(ep)
             ids = engine.tokenizer.encode(gateway.renderer.render(messages, None, True), add_special_tokens=False)
             t0 = time.perf_counter()
             (direct,) = engine.generate([SampleRequest(ids, args.max_tokens, 1.0, 1.0, 1000 + i)])
-            t1 = time.perf_counter()
-            resp = client.post(endpoint.base_url + "/chat/completions", json={"model": "policy", "messages": messages})
-            t2 = time.perf_counter()
-            resp.raise_for_status()
-            gateway.close(endpoint.key)
             if i >= 2:
-                direct_s.append(t1 - t0)
-                gateway_s.append(t2 - t1)
-                same += ep.last.token_ids == direct.token_ids
+                wall["direct"].append(time.perf_counter() - t0)
+            order = list(formats) if i % 2 == 0 else list(formats)[::-1]  # alternate which format goes first
+            for name in order:
+                ep = _Episode(engine, args.max_tokens, seed=1000 + i)
+                endpoint = gateway.open(ep)
+                own_before = gateway.overhead_s
+                t1 = time.perf_counter()
+                resp = formats[name](endpoint, messages)
+                t2 = time.perf_counter()
+                resp.raise_for_status()
+                gateway.close(endpoint.key)
+                if i >= 2:
+                    wall[name].append(t2 - t1)
+                    own[name].append(gateway.overhead_s - own_before)
+                    same[name] += ep.last.token_ids == direct.token_ids
     finally:
         gateway.shutdown()
         engine.close()
-    d, g = np.array(direct_s), np.array(gateway_s)
+    d = np.array(wall["direct"])
     result = {"model": args.model, "calls": args.calls, "max_tokens": args.max_tokens,
-              "direct_median_ms": 1e3 * float(np.median(d)), "direct_p90_ms": 1e3 * float(np.quantile(d, 0.9)),
-              "gateway_median_ms": 1e3 * float(np.median(g)), "gateway_p90_ms": 1e3 * float(np.quantile(g, 0.9)),
-              "ratio_median": float(np.median(g) / np.median(d)),
-              "overhead_median_ms": 1e3 * float(np.median(g - d)),
-              "gateway_own_ms_per_call": 1e3 * gateway.overhead_s / max(gateway.calls, 1),
-              "same_ids_pairs": same}
-    print(f"direct  median {result['direct_median_ms']:.1f} ms  p90 {result['direct_p90_ms']:.1f} ms")
-    print(f"gateway median {result['gateway_median_ms']:.1f} ms  p90 {result['gateway_p90_ms']:.1f} ms")
-    print(f"ratio gateway/direct (median) {result['ratio_median']:.3f}; overhead {result['overhead_median_ms']:.1f} ms "
-          f"per call, of which rendering/parsing {result['gateway_own_ms_per_call']:.1f} ms; "
-          f"same sampled ids in {same}/{args.calls} pairs")
+              "direct_median_ms": 1e3 * float(np.median(d)), "direct_p90_ms": 1e3 * float(np.quantile(d, 0.9))}
+    print(f"direct             median {result['direct_median_ms']:.1f} ms  p90 {result['direct_p90_ms']:.1f} ms")
+    for name in formats:
+        g = np.array(wall[name])
+        result[name] = {"median_ms": 1e3 * float(np.median(g)), "p90_ms": 1e3 * float(np.quantile(g, 0.9)),
+                        "ratio_median": float(np.median(g) / np.median(d)),
+                        "overhead_median_ms": 1e3 * float(np.median(g - d)),
+                        "gateway_own_ms_per_call": 1e3 * float(np.mean(own[name])), "same_ids_pairs": same[name]}
+        r = result[name]
+        print(f"{name:18s} median {r['median_ms']:.1f} ms  p90 {r['p90_ms']:.1f} ms  ratio/direct "
+              f"{r['ratio_median']:.3f}; overhead {r['overhead_median_ms']:.1f} ms per call, of which "
+              f"translation/rendering/parsing {r['gateway_own_ms_per_call']:.1f} ms; same sampled ids in "
+              f"{same[name]}/{args.calls}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

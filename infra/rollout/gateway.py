@@ -318,10 +318,16 @@ class Gateway:
         from infra.rollout import wire_anthropic
 
         self._session(key)
+        start = time.monotonic()
         chat = wire_anthropic.chat_body(body)
         if isinstance(body, dict) and body.get("thinking") is not None:
             self.overridden["thinking"] = self.overridden.get("thinking", 0) + 1
-        return wire_anthropic.messages_response(self.complete(key, chat))
+        translate_s = time.monotonic() - start
+        response = self.complete(key, chat)
+        start = time.monotonic()
+        message = wire_anthropic.messages_response(response)
+        self.overhead_s += translate_s + time.monotonic() - start  # the translation is the gateway's own time
+        return message
 
     def count_tokens(self, key: str, body: Any) -> dict:
         """Anthropic's ``count_tokens``: the prompt ids the request would render to; nothing is sampled or recorded.
