@@ -1,13 +1,14 @@
 """The gateway's overhead per call against a direct engine call on the same prompts, one run, SmolLM2-135M.
 
-Both sides drive the same in-process vLLM engine with the same prompt ids, sampling parameters and
-seeds, in alternating pairs (so both see the same machine state):
+Every side drives the same in-process vLLM engine with the same prompt ids, sampling parameters and
+seeds, in rounds (so all see the same machine state):
 
 - direct: ``engine.generate([SampleRequest(ids, ...)])``, the ids rendered once beforehand;
-- gateway, once per wire format (OpenAI chat completions; Anthropic Messages, ``system`` as its top-level
-  field), over loopback HTTP (``httpx``) to the episode's endpoint: JSON parsing and validation, the
-  format's translation, chat-template rendering, the engine call, the reply (and its JSON) back. The
-  formats take turns going first.
+- gateway, once per wire format (OpenAI chat completions; OpenAI Responses, ``instructions`` and an
+  ``input_text`` item; Anthropic Messages, ``system`` as its top-level field), over loopback HTTP
+  (``httpx``) to the episode's endpoint: JSON parsing and validation, the format's translation,
+  chat-template rendering, the engine call, the reply (and its JSON) back. The formats take turns going
+  first.
 
 Prints the median and p90 per-call wall time of each, their ratio (format / direct) and the gateway's
 own time (translation, rendering, parsing, excluding the engine) per call. Each call is checked to have
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                            json={"model": "policy", "max_tokens": args.max_tokens, "system": messages[0]["content"],
                                  "messages": messages[1:]})
 
-    formats = {"chat_completions": chat, "anthropic_messages": anthropic_messages}
+    def responses(endpoint, messages):  # instructions and input items, as Codex CLI sends them
+        return client.post(endpoint.base_url + "/responses",
+                           json={"model": "policy", "instructions": messages[0]["content"], "store": False,
+                                 "input": [{"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": messages[1]["content"]}]}]})
+
+    formats = {"chat_completions": chat, "responses": responses, "anthropic_messages": anthropic_messages}
     wall = {name: [] for name in ("direct", *formats)}
     own = {name: [] for name in formats}
     same = dict.fromkeys(formats, 0)
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             (direct,) = engine.generate([SampleRequest(ids, args.max_tokens, 1.0, 1.0, 1000 + i)])
             if i >= 2:
                 wall["direct"].append(time.perf_counter() - t0)
-            order = list(formats) if i % 2 == 0 else list(formats)[::-1]  # alternate which format goes first
+            order = list(formats)[i % len(formats):] + list(formats)[:i % len(formats)]  # each goes first in turn
             for name in order:
                 ep = _Episode(engine, args.max_tokens, seed=1000 + i)
                 endpoint = gateway.open(ep)

@@ -19,8 +19,10 @@ Sampling parameters are the run's (the trainer computes logprobs under them); a 
 budget and the context room. Errors are OpenAI-style bodies (``{"error": {"message", "type", "param",
 "code"}}``; Anthropic's shape on its routes); an erroring request records nothing.
 
-Routes: ``POST /e/{key}/v1/chat/completions``, ``POST /e/{key}/v1/messages`` and ``.../messages/count_tokens``
-(Anthropic's Messages API, translated by :mod:`infra.rollout.wire_anthropic`), ``GET /e/{key}/v1/models`` (also
+Routes: ``POST /e/{key}/v1/chat/completions``, ``POST /e/{key}/v1/responses`` (OpenAI's Responses API,
+translated by :mod:`infra.rollout.wire_responses`), ``POST /e/{key}/v1/messages`` and
+``.../messages/count_tokens`` (Anthropic's Messages API, :mod:`infra.rollout.wire_anthropic`),
+``GET /e/{key}/v1/models`` (also
 at ``/v1/...`` with ``Authorization: Bearer {key}`` or Anthropic's ``x-api-key: {key}``) and
 ``POST /e/{key}/sandbox/exec`` (an out-of-process harness runs commands in the episode's sandbox:
 ``{"command", "timeout_s"?, "shell"?}`` -> ``{"output", "exit_code", "timed_out", "duration_s"}``;
@@ -169,6 +171,7 @@ class _Session:
     history_ids: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time per episode
     closed: bool = False  # set under ``lock`` by :meth:`Gateway.close`: no call changes the row after it
+    responses: dict[str, list[dict]] = field(default_factory=dict)  # Responses API: id -> its messages and reply
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,42 @@ class Gateway:
         message = wire_anthropic.messages_response(response)
         self.overhead_s += translate_s + time.monotonic() - start  # the translation is the gateway's own time
         return message
+
+    # -- OpenAI Responses (infra.rollout.wire_responses) ----------------------------------------
+    def complete_responses(self, key: str, body: Any) -> dict:
+        """Serve one Responses API request body for episode ``key`` through :meth:`complete`.
+
+        ``previous_response_id`` continues a response of this episode (its messages and reply, kept until the
+        episode closes).
+
+        Raises:
+            GatewayError: as :meth:`complete`, the body is not a valid Responses request, or
+                ``previous_response_id`` names no response of this episode.
+        """
+        from infra.rollout import wire_responses
+
+        session = self._session(key)
+        start = time.monotonic()
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        history = None
+        if previous:
+            with session.lock:
+                history = session.responses.get(previous)
+            if history is None:
+                raise GatewayError(400, f"Previous response with id '{previous}' not found (a response of this "
+                                   "episode is kept until the episode ends)", param="previous_response_id",
+                                   code="previous_response_not_found")
+        chat = wire_responses.chat_body(body, history)
+        if body.get("reasoning") is not None:
+            self.overridden["reasoning"] = self.overridden.get("reasoning", 0) + 1
+        translate_s = time.monotonic() - start
+        response = self.complete(key, chat)
+        start = time.monotonic()
+        result = wire_responses.response_object(response, body)
+        with session.lock:
+            session.responses[result["id"]] = [*chat["messages"], wire_responses.reply_message(response)]
+        self.overhead_s += translate_s + time.monotonic() - start
+        return result
 
     def count_tokens(self, key: str, body: Any) -> dict:
         """Anthropic's ``count_tokens``: the prompt ids the request would render to; nothing is sampled or recorded.
@@ -499,6 +538,22 @@ class Gateway:
         async def messages(key: str, request: Request):
             return await anthropic_call(key, request, self.complete_messages)
 
+        async def responses(key: str, request: Request):
+            from infra.rollout import wire_responses
+
+            try:
+                body = await body_of(request)
+                response = await run_in_threadpool(self.complete_responses, key, body)
+            except GatewayError as err:
+                return error(err)
+            except Exception as err:  # noqa: BLE001 - as for chat
+                log.exception("gateway: responses call for %s failed", key)
+                self._fail(key)
+                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
+            if isinstance(body, dict) and body.get("stream"):
+                return StreamingResponse(wire_responses.sse_events(response), media_type="text/event-stream")
+            return JSONResponse(response)
+
         async def count_tokens(key: str, request: Request):
             return await anthropic_call(key, request, self.count_tokens)
 
@@ -525,6 +580,7 @@ class Gateway:
 
         app.post("/e/{key}/v1/chat/completions")(chat)
         app.post("/e/{key}/v1/messages")(messages)
+        app.post("/e/{key}/v1/responses")(responses)
         app.post("/e/{key}/v1/messages/count_tokens")(count_tokens)
         app.get("/e/{key}/v1/models")(models)
         app.post("/e/{key}/sandbox/exec")(exec_)
@@ -532,6 +588,10 @@ class Gateway:
         @app.post("/v1/chat/completions")
         async def chat_bearer(request: Request):
             return await chat(bearer(request), request)
+
+        @app.post("/v1/responses")
+        async def responses_bearer(request: Request):
+            return await responses(bearer(request), request)
 
         @app.post("/v1/messages")
         async def messages_keyed(request: Request):  # Anthropic clients send x-api-key (or a bearer token)
@@ -548,9 +608,9 @@ class Gateway:
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def not_served(path: str):
             return error(GatewayError(404, f"/{path} is not served: this gateway speaks OpenAI chat completions "
-                                      "(POST .../v1/chat/completions) and Anthropic Messages (POST .../v1/messages, "
-                                      ".../v1/messages/count_tokens), and lists models (GET .../v1/models)",
-                                      code="not_found"))
+                                      "(POST .../v1/chat/completions), OpenAI Responses (POST .../v1/responses) and "
+                                      "Anthropic Messages (POST .../v1/messages, .../v1/messages/count_tokens), and "
+                                      "lists models (GET .../v1/models)", code="not_found"))
 
         return app
 
