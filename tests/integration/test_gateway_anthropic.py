@@ -145,7 +145,7 @@ def test_bad_requests_get_anthropic_errors_and_record_nothing(tiny_tokenizer, tm
         root = endpoint.anthropic_base_url.split("/e/")[0]
         keyed = anthropic.Anthropic(base_url=root, api_key=endpoint.key, max_retries=0)
         notes.append(keyed.messages.create(model="m", max_tokens=8, system=SYSTEM, messages=[USER]).content[0].text)
-        notes.append(httpx.post(root + "/v1/responses", timeout=10).status_code)
+        notes.append(httpx.post(root + "/v1/embeddings", timeout=10).status_code)
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, ["ls /app"], script)
     assert harness.notes[0][:2] == (400, "invalid_request_error") and "max_tokens" in harness.notes[0][2]

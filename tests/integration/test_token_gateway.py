@@ -277,7 +277,7 @@ def test_parameters_that_change_sampling_are_refused_and_odd_values_get_400s(tin
             errors.append((r.status_code, r.json()["error"]["param"]))
         r = httpx.post(endpoint.exec_url, json={"command": "ls /app", "timeout_s": "abc"}, timeout=30)
         errors.append((r.status_code, r.json()["error"]["param"]))
-        r = httpx.post(endpoint.base_url + "/responses", json={}, timeout=30)
+        r = httpx.post(endpoint.base_url + "/embeddings", json={}, timeout=30)
         errors.append((r.status_code, r.json()["error"]["code"]))
         client.chat.completions.create(model="policy", messages=[SYSTEM, USER], max_tokens=10)  # the run goes on
 
