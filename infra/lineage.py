@@ -160,7 +160,10 @@ class StoredLineage:
             self.fs.invalidate_cache()
             found = {}
             for path in (p for p in self.fs.find(root.removeprefix("s3://")) if p.endswith(".lineage.json")):
-                rec = json.loads(self.fs.cat_file(path))
+                try:
+                    rec = json.loads(self.fs.cat_file(path))
+                except FileNotFoundError:  # removed between the listing and the read (a run being deleted)
+                    continue
                 found[rec["asset"]] = rec
             self._roots[root] = found
         return self._roots[root]

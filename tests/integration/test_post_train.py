@@ -409,12 +409,17 @@ def test_killed_sandbox_is_infra_failure_and_retried(live_run):
     killed: list[str] = []
     stop = threading.Event()
 
-    def killer() -> None:  # kill the first episode sandbox that appears, mid-episode
+    def killer() -> None:  # kill the first episode sandbox of this process that appears, mid-episode
         import docker.errors
 
+        from infra.sandbox.docker_backend import OWNER_LABEL, owner_id
+
+        # this process's own: another test worker's episodes share the engine (CI once killed a real-task
+        # test's sandbox from here: container_vanished there, no victim here)
+        mine = ["agentrl.episode", f"{OWNER_LABEL}={owner_id()}"]
         while not stop.is_set() and not killed:
-            for c in rt.backend.client.containers.list(
-                    ignore_removed=True, filters={"label": "agentrl.episode", "status": "running"}):
+            for c in rt.backend.client.containers.list(ignore_removed=True,
+                                                       filters={"label": mine, "status": "running"}):
                 try:
                     c.kill()
                 except docker.errors.APIError:  # not running yet or already gone: try the next one
