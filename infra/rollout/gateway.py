@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from infra.rollout.engine import Sample
-from infra.rollout.gateway_errors import GatewayError
+from infra.rollout.gateway_errors import GatewayError, invalid_request
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,6 @@ class Gateway:
         return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
 
     def _parse(self, body: Any):
-        from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         if not isinstance(body, dict):
@@ -395,12 +394,8 @@ class Gateway:
 
         try:
             request = ChatCompletionRequest.model_validate(body)
-        except ValidationError as err:
-            first = min(err.errors(), key=lambda e: len(e["loc"]))
-            where = ".".join(str(p) for p in first["loc"])
-            raise GatewayError(400, f"invalid request: {where}: {first['msg']}", param=where) from err
-        except (VLLMValidationError, ValueError) as err:
-            raise GatewayError(400, f"invalid request: {err}", param=getattr(err, "parameter", None)) from err
+        except (VLLMValidationError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+            raise invalid_request(err) from err
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise GatewayError(400, f"unsupported parameter 'tool_choice'={body['tool_choice']!r}: forcing a tool "
                                "call constrains sampling, which the trainer cannot account for; serves 'auto' and "
@@ -501,61 +496,47 @@ class Gateway:
             auth = request.headers.get("authorization", "")
             return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
-        async def chat(key: str, request: Request):
-            try:
-                body = await body_of(request)
-                response = await run_in_threadpool(self.complete, key, body)
-            except GatewayError as err:
-                return error(err)
-            except Exception as err:  # noqa: BLE001 - a gateway bug: a 500 the harness may retry, logged here
-                log.exception("gateway: chat completion for %s failed", key)
-                self._fail(key)
-                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
-            if isinstance(body, dict) and body.get("stream"):
-                usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return StreamingResponse(_sse_chunks(response, usage), media_type="text/event-stream")
-            return JSONResponse(response)
+        async def call(key: str, request: Request, serve, what: str, stream=None, error_body=lambda e: e.body):
+            """One call: ``serve(key, body)`` in a thread, a refusal or a bug answered as ``error_body``.
 
-        async def anthropic_call(key: str, request: Request, serve):
-            from infra.rollout import wire_anthropic
-
+            ``stream(response, body)`` gives the events when the body asks to stream.
+            """
             try:
                 body = await body_of(request)
                 response = await run_in_threadpool(serve, key, body)
             except GatewayError as err:
                 self.refused += 1
-                return JSONResponse(wire_anthropic.error_body(err), status_code=err.status)
-            except Exception as err:  # noqa: BLE001 - as for chat
-                log.exception("gateway: messages call for %s failed", key)
+                return JSONResponse(error_body(err), status_code=err.status)
+            except Exception as err:  # noqa: BLE001 - a gateway bug: a 500 the harness may retry, logged here
+                log.exception("gateway: %s for %s failed", what, key)
                 self._fail(key)
                 self.refused += 1
-                return JSONResponse(wire_anthropic.error_body(GatewayError(
-                    500, f"internal error: {type(err).__name__}: {err}", "server_error")), status_code=500)
-            if serve == self.complete_messages and isinstance(body, dict) and body.get("stream"):
-                return StreamingResponse(wire_anthropic.sse_events(response), media_type="text/event-stream")
+                bug = GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error")
+                return JSONResponse(error_body(bug), status_code=500)
+            if stream is not None and isinstance(body, dict) and body.get("stream"):
+                return StreamingResponse(stream(response, body), media_type="text/event-stream")
             return JSONResponse(response)
 
-        async def messages(key: str, request: Request):
-            return await anthropic_call(key, request, self.complete_messages)
+        async def chat(key: str, request: Request):
+            return await call(key, request, self.complete, "chat completion", lambda response, body: _sse_chunks(
+                response, bool((body.get("stream_options") or {}).get("include_usage"))))
 
         async def responses(key: str, request: Request):
             from infra.rollout import wire_responses
 
-            try:
-                body = await body_of(request)
-                response = await run_in_threadpool(self.complete_responses, key, body)
-            except GatewayError as err:
-                return error(err)
-            except Exception as err:  # noqa: BLE001 - as for chat
-                log.exception("gateway: responses call for %s failed", key)
-                self._fail(key)
-                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
-            if isinstance(body, dict) and body.get("stream"):
-                return StreamingResponse(wire_responses.sse_events(response), media_type="text/event-stream")
-            return JSONResponse(response)
+            return await call(key, request, self.complete_responses, "responses call",
+                              lambda response, _: wire_responses.sse_events(response))
+
+        async def messages(key: str, request: Request):
+            from infra.rollout import wire_anthropic
+
+            return await call(key, request, self.complete_messages, "messages call",
+                              lambda response, _: wire_anthropic.sse_events(response), wire_anthropic.error_body)
 
         async def count_tokens(key: str, request: Request):
-            return await anthropic_call(key, request, self.count_tokens)
+            from infra.rollout import wire_anthropic
+
+            return await call(key, request, self.count_tokens, "count_tokens call", None, wire_anthropic.error_body)
 
         async def models(key: str):
             try:
@@ -569,14 +550,7 @@ class Gateway:
                                  "has_more": False, "first_id": name, "last_id": name})
 
         async def exec_(key: str, request: Request):
-            try:
-                return JSONResponse(await run_in_threadpool(self.exec_command, key, await body_of(request)))
-            except GatewayError as err:
-                return error(err)
-            except Exception as err:  # noqa: BLE001 - as for chat
-                log.exception("gateway: sandbox exec for %s failed", key)
-                self._fail(key)
-                return error(GatewayError(500, f"internal error: {type(err).__name__}: {err}", "server_error"))
+            return await call(key, request, self.exec_command, "sandbox exec")
 
         app.post("/e/{key}/v1/chat/completions")(chat)
         app.post("/e/{key}/v1/messages")(messages)

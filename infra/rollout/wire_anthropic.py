@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from infra.rollout.gateway_errors import GatewayError
+from infra.rollout.gateway_errors import GatewayError, invalid_request
 
 IGNORED = ("reasoning_effort", "thinking_token_budget")
 """Fields vLLM's conversion derives from ``thinking`` that the gateway does not serve (dropped, counted)."""
@@ -30,19 +30,13 @@ _ERROR_TYPES = {"invalid_request_error": "invalid_request_error", "authenticatio
 
 
 def _validated(model, body: Any):
-    from pydantic import ValidationError
-
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object with 'model', 'messages' and "
                            "'max_tokens' (Anthropic Messages API)", param="body")
     try:
         return model.model_validate(body)
-    except ValidationError as err:
-        first = min(err.errors(), key=lambda e: len(e["loc"]))
-        where = ".".join(str(p) for p in first["loc"])
-        raise GatewayError(400, f"invalid request: {where}: {first['msg']}", param=where) from err
-    except ValueError as err:
-        raise GatewayError(400, f"invalid request: {err}") from err
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise invalid_request(err) from err
 
 
 def chat_body(body: Any, count_only: bool = False) -> dict:
@@ -58,7 +52,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict:
     try:
         chat = AnthropicServingMessages.to_chat_completion_request(request)
     except ValueError as err:  # e.g. a tool_removal naming an undeclared tool
-        raise GatewayError(400, f"invalid request: {err}") from err
+        raise invalid_request(err) from err
     out = chat.model_dump(mode="json", exclude_unset=True, exclude_none=True)
     for name in (*IGNORED, "stream", "stream_options", "parallel_tool_calls"):
         out.pop(name, None)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from infra.rollout.gateway_errors import GatewayError
+from infra.rollout.gateway_errors import GatewayError, invalid_request
 
 REFUSED = {"logit_bias": None, "top_logprobs": 0, "max_tool_calls": None, "background": False}
 """Request fields the trainer could not account for, with the only value served."""
@@ -50,7 +50,6 @@ def chat_body(body: Any, history: list[dict] | None) -> dict:
         GatewayError: 400, the body is not a valid Responses request (the field is named), or asks for what the
             trainer cannot account for (``tool_choice`` other than auto/none, ``logit_bias``, structured output).
     """
-    from pydantic import ValidationError
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
     from vllm.exceptions import VLLMValidationError
@@ -73,12 +72,8 @@ def chat_body(body: Any, history: list[dict] | None) -> dict:
         messages = construct_input_messages(request_instructions=request.instructions, request_input=request.input,
                                             prev_msg=history)
         tools = construct_tool_dicts(request.tools, request.tool_choice)
-    except ValidationError as err:
-        first = min(err.errors(), key=lambda e: len(e["loc"]))
-        where = ".".join(str(p) for p in first["loc"])
-        raise GatewayError(400, f"invalid request: {where}: {first['msg']}", param=where) from err
-    except (VLLMValidationError, ValueError) as err:
-        raise GatewayError(400, f"invalid request: {err}", param=getattr(err, "parameter", None)) from err
+    except (VLLMValidationError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+        raise invalid_request(err) from err
     choice = request.tool_choice if isinstance(request.tool_choice, str) else body.get("tool_choice")
     chat: dict[str, Any] = {"model": request.model or "", "tool_choice": choice,
                             "messages": [{**m, "content": _text_parts(m.get("content"))} for m in

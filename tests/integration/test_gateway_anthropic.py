@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.fakes import ScriptedEngine
-from tests.integration.test_token_gateway import chatml, run_episode, sampled
+from tests.integration.test_token_gateway import ClientHarness, chatml, run_episode, sampled
 from tests.unit.test_episode import world
 
 SYSTEM = "You are an agent."
@@ -21,30 +21,14 @@ BASH = {"name": "bash", "description": "run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
 
 
-class AnthropicHarness:
-    """A harness that speaks Anthropic's Messages API: ``script(client, io, endpoint, notes)`` drives the episode."""
-
-    name = "anthropic-client"
-    tool_parser = "hermes"
-
-    def __init__(self, script):
-        self.script, self.notes = script, []
-
-    def act(self, io, max_turns):
-        io.acquire()
-        endpoint = io.open_gateway()
-        try:
-            client = anthropic.Anthropic(base_url=endpoint.anthropic_base_url, api_key="unused", max_retries=0)
-            self.script(client, io, endpoint, self.notes)
-            io.end("done")
-        finally:
-            io.close_gateway(endpoint)
+def anthropic_client(endpoint) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=endpoint.anthropic_base_url, api_key="unused", max_retries=0)
 
 
 def run(tokenizer, tmp_path, replies, script, max_turns=5):
     """One episode; a turn may sample 256 tokens (a tool call is ~100 of the tiny tokenizer's)."""
     engine = ScriptedEngine(tokenizer, replies)
-    harness = AnthropicHarness(script)
+    harness = ClientHarness(script, anthropic_client)
     return run_episode(engine, world, harness, tmp_path, max_turns, max_tokens_per_turn=256), engine, harness
 
 
@@ -71,7 +55,7 @@ def test_an_agent_loop_of_tool_uses_stays_one_sequence_of_the_engines_ids(tiny_t
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, [_call("echo hello > /app/hello.txt"), _call("ls /app"),
                                                            "done"], script)
-    *calls, text = harness.notes
+    *calls, text = harness.errors
     assert [c[:3] for c in calls] == [("claude-sonnet-4-5", "tool_use", ["tool_use"])] * 2 + [
         ("claude-sonnet-4-5", "end_turn", ["text"])] and text == "done"  # the asked-for model name is echoed
     assert [c[3:] for c in calls] == [(len(r.request.prompt_ids), len(r.sample.token_ids)) for r in engine.received]
@@ -106,7 +90,7 @@ def test_streaming_gives_the_same_message_as_the_sdk_assembles_it(tiny_tokenizer
             notes.append(s.get_final_text())
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, [_call("ls /app"), "echo hello > /app/hello.txt"], script)
-    events, (stop, blocks, out_tokens), text = harness.notes
+    events, (stop, blocks, out_tokens), text = harness.errors
     assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_stop" in events
     assert (stop, blocks, out_tokens) == ("tool_use", [("tool_use", {"command": "ls /app"})], len(sampled(engine, 0)))
     assert text == "echo hello > /app/hello.txt" and row["segment_starts"] == [0]
@@ -122,8 +106,8 @@ def test_count_tokens_and_models_answer_without_sampling(tiny_tokenizer, tmp_pat
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, ["ls"], script)
     # the count is the prompt the same request then sent to the engine; the count itself sampled nothing
-    assert harness.notes[0] == len(engine.received[0].request.prompt_ids) and len(engine.received) == 1
-    assert len(harness.notes[1]) == 1 and harness.notes[1] == harness.notes[2]  # one list, both SDKs' shapes
+    assert harness.errors[0] == len(engine.received[0].request.prompt_ids) and len(engine.received) == 1
+    assert len(harness.errors[1]) == 1 and harness.errors[1] == harness.errors[2]  # one list, both SDKs' shapes
 
 
 def test_bad_requests_get_anthropic_errors_and_record_nothing(tiny_tokenizer, tmp_path):
@@ -148,11 +132,11 @@ def test_bad_requests_get_anthropic_errors_and_record_nothing(tiny_tokenizer, tm
         notes.append(httpx.post(root + "/v1/embeddings", timeout=10).status_code)
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, ["ls /app"], script)
-    assert harness.notes[0][:2] == (400, "invalid_request_error") and "max_tokens" in harness.notes[0][2]
-    assert harness.notes[1][:2] == (400, "invalid_request_error") and "tool_choice" in harness.notes[1][2]
-    assert harness.notes[2][:2] == (400, "invalid_request_error") and "only text parts" in harness.notes[2][2]
-    assert harness.notes[3] == "authentication_error"
-    assert harness.notes[4] == "ls /app" and harness.notes[5] == 404
+    assert harness.errors[0][:2] == (400, "invalid_request_error") and "max_tokens" in harness.errors[0][2]
+    assert harness.errors[1][:2] == (400, "invalid_request_error") and "tool_choice" in harness.errors[1][2]
+    assert harness.errors[2][:2] == (400, "invalid_request_error") and "only text parts" in harness.errors[2][2]
+    assert harness.errors[3] == "authentication_error"
+    assert harness.errors[4] == "ls /app" and harness.errors[5] == 404
     assert len(engine.received) == 1  # only the good call reached the engine
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.fakes import ScriptedEngine
-from tests.integration.test_token_gateway import chatml, run_episode, sampled
+from tests.integration.test_token_gateway import ClientHarness, chatml, run_episode, sampled
 from tests.unit.test_episode import world
 
 INSTRUCTIONS = "You are an agent."
@@ -28,30 +28,10 @@ def _call(command: str) -> str:
     return '<tool_call>\n{"name": "shell", "arguments": {"command": "' + command + '"}}\n</tool_call>'
 
 
-class ResponsesHarness:
-    """A harness that speaks the Responses API: ``script(client, io, endpoint, notes)`` drives the episode."""
-
-    name = "responses-client"
-    tool_parser = "hermes"
-
-    def __init__(self, script):
-        self.script, self.notes = script, []
-
-    def act(self, io, max_turns):
-        io.acquire()
-        endpoint = io.open_gateway()
-        try:
-            client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
-            self.script(client, io, endpoint, self.notes)
-            io.end("done")
-        finally:
-            io.close_gateway(endpoint)
-
-
 def run(tokenizer, tmp_path, replies, script, max_turns=5):
     """One episode; a turn may sample 256 tokens (a tool call is ~100 of the tiny tokenizer's)."""
     engine = ScriptedEngine(tokenizer, replies)
-    harness = ResponsesHarness(script)
+    harness = ClientHarness(script)
     return run_episode(engine, world, harness, tmp_path, max_turns, max_tokens_per_turn=256), engine, harness
 
 
@@ -80,7 +60,7 @@ def test_a_codex_style_loop_resending_its_input_stays_one_sequence(tiny_tokenize
 
     replies = [_call("echo hello > /app/hello.txt"), _call("ls /app"), "done"]
     row, engine, harness = run(tiny_tokenizer, tmp_path, replies, script)
-    *calls, text = harness.notes
+    *calls, text = harness.errors
     assert [c[:3] for c in calls] == [("gpt-5-codex", "completed", ["function_call"])] * 2 + [
         ("gpt-5-codex", "completed", ["message"])] and text == "done"
     assert [c[3:] for c in calls] == [(len(r.request.prompt_ids), len(r.sample.token_ids)) for r in engine.received]
@@ -109,7 +89,7 @@ def test_previous_response_id_continues_the_episodes_conversation(tiny_tokenizer
         notes.append((e.value.body["code"], e.value.body["param"]))
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, [_call("ls /app"), "done"], script)
-    assert harness.notes == [(True, "done"), ("previous_response_not_found", "previous_response_id")]
+    assert harness.errors == [(True, "done"), ("previous_response_not_found", "previous_response_id")]
     first = engine.received[0].request.prompt_ids + sampled(engine, 0)
     assert engine.received[1].request.prompt_ids[:len(first)] == first and row["segment_starts"] == [0]
     assert len(engine.received) == 2  # the refused call reached no engine
@@ -128,7 +108,7 @@ def test_streaming_gives_the_events_the_sdk_assembles_into_the_same_response(tin
             notes.append(s.get_final_response().output_text)
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, [_call("ls /app"), "all done"], script)
-    types, (status, output), text = harness.notes
+    types, (status, output), text = harness.errors
     assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
     assert (status, output) == ("completed", [("function_call", "shell", '{"command": "ls /app"}')])
@@ -149,6 +129,6 @@ def test_requests_that_change_sampling_or_are_malformed_get_openai_errors(tiny_t
         notes.append(client.responses.create(model="m", input="hi", reasoning={"effort": "low"}).output_text)
 
     row, engine, harness = run(tiny_tokenizer, tmp_path, ["ls /app"], script)
-    assert [n[:2] for n in harness.notes[:3]] == [(400, "unsupported_parameter")] * 3
-    assert "tool_choice" in harness.notes[0][2] and "top_logprobs" in harness.notes[1][2]
-    assert harness.notes[3][0] == 400 and harness.notes[4] == "ls /app" and len(engine.received) == 1
+    assert [n[:2] for n in harness.errors[:3]] == [(400, "unsupported_parameter")] * 3
+    assert "tool_choice" in harness.errors[0][2] and "top_logprobs" in harness.errors[1][2]
+    assert harness.errors[3][0] == 400 and harness.errors[4] == "ls /app" and len(engine.received) == 1

@@ -26,21 +26,25 @@ SYSTEM = {"role": "system", "content": "You are an agent."}
 USER = {"role": "user", "content": "Write hello to /app/hello.txt."}
 
 
+def openai_client(endpoint) -> openai.OpenAI:
+    return openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
+
+
 class ClientHarness:
-    """A harness that speaks the OpenAI API: ``script(client, io, endpoint)`` drives the episode."""
+    """A harness driven by ``script(client, io, endpoint, errors)``; ``client``: an SDK client of the episode's
+    endpoint, ``make_client(endpoint)`` (OpenAI's by default); ``errors`` collects what the script notes."""
 
     name = "client"
     tool_parser = "hermes"
 
-    def __init__(self, script):
-        self.script, self.errors = script, []
+    def __init__(self, script, make_client=openai_client):
+        self.script, self.errors, self.make_client = script, [], make_client
 
     def act(self, io, max_turns):
         io.acquire()
         endpoint = io.open_gateway()
         try:
-            client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
-            self.script(client, io, endpoint, self.errors)
+            self.script(self.make_client(endpoint), io, endpoint, self.errors)
             io.end("done")
         finally:
             io.close_gateway(endpoint)
