@@ -255,13 +255,48 @@ class Terminus2HarnessConfig(_Strict):
     """vLLM tool parser for requests with ``tools`` (Terminus-2 sends none)."""
 
 
-HarnessConfig = Annotated[BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig,
+class ClaudeCodeHarnessConfig(_Strict):
+    """Claude Code from npm, unmodified, inside the task's sandbox, over the gateway's Anthropic Messages API."""
+
+    kind: Literal["claude-code"] = "claude-code"
+    """``claude-code``: ``claude -p`` in the episode's sandbox (``envs.harnesses.installed``), its base URL
+    at the episode's gateway endpoint through the sandbox's channel; glibc task images."""
+    version: str = Field("2.1.328", pattern=r"^[0-9][0-9a-z.-]*$")
+    """The npm release (``@anthropic-ai/claude-code-linux-x64``), unpacked once outside the checkout."""
+    wall_timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock cap on one episode's agent process (then ``agent_timeout``), within the task's agent timeout."""
+    tool_parser: str = "hermes"
+    """vLLM tool parser for the agent's tool calls (its tools come with every request)."""
+
+
+class CodexHarnessConfig(_Strict):
+    """Codex CLI from npm, unmodified, inside the task's sandbox, over the gateway's Responses API."""
+
+    kind: Literal["codex"] = "codex"
+    """``codex``: ``codex exec`` in the episode's sandbox (``envs.harnesses.installed``), its model provider
+    at the episode's gateway endpoint through the sandbox's channel; any x86-64 Linux image (static binary)."""
+    version: str = Field("0.169.0", pattern=r"^[0-9][0-9a-z.-]*$")
+    """The npm release (``@openai/codex`` at ``{version}-linux-x64``), unpacked once outside the checkout."""
+    wall_timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock cap on one episode's agent process (then ``agent_timeout``), within the task's agent timeout."""
+    tool_parser: str = "hermes"
+    """vLLM tool parser for the agent's tool calls (its tools come with every request)."""
+
+
+HarnessConfig = Annotated[BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig
+                          | ClaudeCodeHarnessConfig | CodexHarnessConfig,
                           Field(discriminator="kind", json_schema_extra=_any_of)]
 """``rollout.harness``: what acts in each episode, chosen by ``kind``."""
 
 
-def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig):
+def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Terminus2HarnessConfig
+                  | ClaudeCodeHarnessConfig | CodexHarnessConfig):
     """The harness object for ``rollout.harness``."""
+    if isinstance(c, ClaudeCodeHarnessConfig | CodexHarnessConfig):
+        from envs.harnesses.installed import ClaudeCodeHarness, CodexHarness
+
+        cls = ClaudeCodeHarness if isinstance(c, ClaudeCodeHarnessConfig) else CodexHarness
+        return cls(c.version, c.wall_timeout_s, c.tool_parser)
     if isinstance(c, Terminus2HarnessConfig):
         from envs.harnesses.terminus_2 import Terminus2Harness
 

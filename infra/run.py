@@ -185,10 +185,15 @@ class Run:
                 from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy
 
                 egress = EgressProxy(EGRESS_GATEWAY, t.egress.settings())  # started on its first session
+            from infra.config import build_harness
+
+            harness = build_harness(self.config.rollout.harness)
+            installed = getattr(harness, "gateway_channel", False)  # an agent that runs inside the sandbox
             self._backend = DockerBackend(
                 mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
                 nano_cpus=int(t.default_cpus * 1e9) or None,
-                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress)
+                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress,
+                agent_mounts=harness.mounts() if installed else None, agent_channel=installed)
             reaped = self._backend.reap_orphans()
             if reaped:
                 log.warning("removed %d sandbox containers left by crashed runs", reaped)

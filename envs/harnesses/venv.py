@@ -87,3 +87,40 @@ def harness_target(name: str, requirements: list[str], python_version: str) -> P
                               capture_output=True, text=True, timeout=1800)
 
     return _install_once(name, requirements, "lib", install, f" for Python {python_version} into {_root(name) / 'lib'}")
+
+
+def npm_package(name: str, spec: str) -> Path:
+    """``{cache}/{name}/package``: the npm package ``spec`` (``@scope/pkg@version``) unpacked, as published.
+
+    ``npm pack`` fetches the tarball from the registry npm is configured for (checking its integrity)
+    and it is unpacked without running any install script; created once per spec under a file lock,
+    as :func:`harness_python`.
+
+    Raises:
+        RuntimeError: ``npm`` is missing, or the fetch or the unpacking failed (the output's tail is in the message).
+    """
+    if shutil.which("npm") is None:
+        raise RuntimeError(f"installing harness {name} ({spec}) needs npm: install Node.js's npm "
+                           "(Debian: `apt-get install npm`)")
+
+    def install(root: Path) -> subprocess.CompletedProcess:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / "package", ignore_errors=True)
+        packed = subprocess.run(["npm", "pack", spec, "--json", "--pack-destination", str(root)],
+                                capture_output=True, text=True, timeout=1800)
+        if packed.returncode:
+            return packed
+        tarball = root / json.loads(packed.stdout)[0]["filename"]
+        try:
+            return subprocess.run(["tar", "-xzf", str(tarball), "-C", str(root)], capture_output=True, text=True)
+        finally:
+            tarball.unlink(missing_ok=True)
+
+    return _install_once(name, [spec], "package", install, f" into {_root(name)} with npm")
+
+
+def harness_root(name: str) -> Path:
+    """Harness ``name``'s install folder (created empty if it is not there yet, for mounting before install)."""
+    root = _root(name)
+    root.mkdir(parents=True, exist_ok=True)
+    return root

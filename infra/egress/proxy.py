@@ -234,19 +234,32 @@ class EgressProxy:
 
 
 def _free_port(host: str) -> int:
-    """The first port of :data:`PORTS` free on ``host``.
+    """The first port of :data:`PORTS` free on ``host`` (mitmdump binds it itself).
 
     Raises:
-        RuntimeError: every port of the range is taken.
+        RuntimeError: see :func:`bind_in_range`.
+    """
+    with bind_in_range(host, "egress proxy") as s:
+        return s.getsockname()[1]
+
+
+def bind_in_range(host: str, what: str) -> socket.socket:
+    """A TCP socket bound to ``host`` on the first free port of :data:`PORTS`.
+
+    These are the ports sandboxes on ``agentrl-egress`` reach: the egress proxy's, and the gateway's
+    channel for installed agents.
+
+    Raises:
+        RuntimeError: ``host`` is no address of this machine (the bridge is missing), or every port is taken.
     """
     for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-                return port
-            except OSError as e:
-                if e.errno == errno.EADDRNOTAVAIL:
-                    raise RuntimeError(f"egress proxy: {host} is no address of this machine: the agentrl-egress "
-                                       "network's bridge is missing (run `python -m infra.services up`)") from e
-                continue
-    raise RuntimeError(f"egress proxy: no free port in {PORTS.start}-{PORTS.stop - 1} on {host}")
+        s = socket.socket()
+        try:
+            s.bind((host, port))
+            return s
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise RuntimeError(f"{what}: {host} is no address of this machine: the agentrl-egress "
+                                   "network's bridge is missing (run `python -m infra.services up`)") from e
+    raise RuntimeError(f"{what}: no free port in {PORTS.start}-{PORTS.stop - 1} on {host}")

@@ -40,7 +40,7 @@ from infra.rollout.chat_tokens import ChatTokens
 from infra.rollout.engine import RolloutEngine, Sample, SampleRequest
 from infra.rollout.scheduler import AsyncCollector, EpisodeJob
 from infra.rollout.servers import EngineUnavailable
-from infra.sandbox.base import Sandbox, SandboxBackend, SandboxInfraError
+from infra.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxInfraError
 from infra.sandbox.pool import WarmPool
 from infra.store import Trajectory, egress_columns
 
@@ -306,6 +306,49 @@ class _EpisodeIO:
         e.tool_s += result.duration_s
         return result
 
+    def run_agent(self, command: str, env: dict[str, str], timeout_s: float,
+                  output_limit_bytes: int = 64 * 1024) -> ExecResult | None:
+        """Run an installed agent's process (``bash -c command``) in the sandbox until it exits.
+
+        The process is killed (with everything it started) when the episode ends on the runner's side
+        meanwhile (``max_turns``, ``context_full``, cancellation); ``timeout_s`` is its wall-clock cap
+        (then ``agent_timeout``). Its time is not tool time: its commands run inside it, unseen.
+
+        Returns:
+            Its exit code and output (its first ``output_limit_bytes``), or None: the episode ended
+            (by the runner, the deadline, or a sandbox failure, classified as :meth:`execute` does).
+        """
+        e = self.e
+        if e.done or e.sandbox is None:
+            return None
+        box, out = e.sandbox, {}
+
+        def run() -> None:
+            try:
+                out["result"] = box.exec(command, timeout_s=timeout_s, env=env, output_limit_bytes=output_limit_bytes)
+            except SandboxInfraError as err:
+                out["error"] = err
+
+        thread = threading.Thread(target=run, name=f"agent-{e.episode_id}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+            if self.ended and thread.is_alive():
+                try:
+                    box.stop_agent_processes()  # its exec then returns
+                except SandboxInfraError as err:
+                    out["error"] = err
+                thread.join()
+        if "error" in out and not self.ended:
+            Collector._sandbox_failed(e, out["error"])
+        if self.ended:
+            return None
+        result = out.get("result")
+        if result is not None and result.timed_out:
+            e.agent_end = "agent_timeout"
+            return None
+        return result
+
     def observe(self, text: str) -> None:
         self.e.append(self.runner.chat.continuation_ids(self.e.token_ids, text), None)
 
@@ -348,7 +391,13 @@ class Collector:
             if self._gateway is None:
                 from infra.rollout.gateway import Gateway
 
-                self._gateway = Gateway(self.engine.tokenizer, tool_parser=getattr(self.harness, "tool_parser", ""))
+                channel = None
+                if getattr(self.harness, "gateway_channel", False):  # an agent installed in the sandbox
+                    from infra.egress.proxy import EGRESS_GATEWAY
+
+                    channel = EGRESS_GATEWAY
+                self._gateway = Gateway(self.engine.tokenizer, tool_parser=getattr(self.harness, "tool_parser", ""),
+                                        channel_host=channel)
             return self._gateway
 
     def close(self) -> None:

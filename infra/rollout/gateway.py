@@ -181,6 +181,8 @@ class Endpoint:
     base_url: str
     key: str
     exec_url: str
+    channel_base_url: str | None = None
+    """The same OpenAI base as a sandbox on ``agentrl-egress`` reaches it (None: the gateway has no channel)."""
 
     @property
     def anthropic_base_url(self) -> str:
@@ -195,9 +197,15 @@ class Gateway:
         tokenizer: the policy's tokenizer (its chat template renders every request).
         tool_parser: a ``vllm.tool_parsers`` name (``hermes``, ``llama3_json``, ...) or "" for none.
         host: address to bind (loopback by default: harnesses run on this machine).
+        channel_host: also listen there, on a port of ``infra.egress.proxy.PORTS`` (the ``agentrl-egress``
+            bridge: an agent installed in a sandbox reaches the gateway there and nothing else of the host).
+
+    Raises:
+        RuntimeError: the channel's address is not on this machine, or its ports are all taken.
     """
 
-    def __init__(self, tokenizer, tool_parser: str = "hermes", host: str = "127.0.0.1"):
+    def __init__(self, tokenizer, tool_parser: str = "hermes", host: str = "127.0.0.1",
+                 channel_host: str | None = None):
         self.renderer = ChatRenderer(tokenizer)
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
@@ -212,6 +220,14 @@ class Gateway:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.host, self.port = host, self._sock.getsockname()[1]
+        self._sockets = [self._sock]
+        self.channel_url: str | None = None
+        if channel_host is not None:
+            from infra.egress.proxy import bind_in_range
+
+            channel = bind_in_range(channel_host, "gateway channel")
+            self._sockets.append(channel)
+            self.channel_url = f"http://{channel_host}:{channel.getsockname()[1]}"
         self._server = None
         self._thread: threading.Thread | None = None
         self._start()
@@ -223,7 +239,8 @@ class Gateway:
         with self._lock:
             self._sessions[key] = _Session(episode)
         base = f"http://{self.host}:{self.port}/e/{key}"
-        return Endpoint(base + "/v1", key, base + "/sandbox/exec")
+        channel = f"{self.channel_url}/e/{key}/v1" if self.channel_url else None
+        return Endpoint(base + "/v1", key, base + "/sandbox/exec", channel)
 
     def close(self, key: str) -> None:
         """Forget an episode: waits for a call in flight to finish recording, then refuses its key as unknown."""
@@ -595,7 +612,7 @@ class Gateway:
         # already installed in this process (Prefect's API log handler among them) mid-run.
         config = uvicorn.Config(self._app(), log_config=None, log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": self._sockets},
                                         name="agentrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30

@@ -222,8 +222,15 @@ class DockerBackend:
     def __init__(self, client: docker.DockerClient | None = None, mem_limit: str | None = None,
                  nano_cpus: int | None = None, pids_limit: int = 1024, tmp_size_mb: int = 256,
                  disk_mb: int = 1024, state_dir: Path | None = None, ca_bundle: Path | None = None,
-                 egress: EgressProxy | None = None):
+                 egress: EgressProxy | None = None, agent_mounts: dict[str, str] | None = None,
+                 agent_channel: bool = False):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
+
+        ``agent_mounts`` (host folder -> container path) are mounted read-only into every sandbox (an
+        installed agent's CLI, ``envs.harnesses.installed``). ``agent_channel``: every sandbox also joins
+        ``agentrl-egress``, whose firewall lets it reach only ports of ``infra.egress.proxy.PORTS`` on the
+        bridge (the run's gateway listens there for an agent running inside the sandbox); a task without
+        the network still reaches nothing else, and gets no proxy variables.
 
         ``egress``: the egress proxy (``infra.egress``): sandboxes with the network join the
         ``agentrl-egress`` network and reach the outside only through it, and network builds go
@@ -264,6 +271,7 @@ class DockerBackend:
             ca_bundle = ensure_bundle()  # the machine's CAs and the egress proxy's
         self.ca_bundle = ca_bundle
         self.egress = egress
+        self.agent_mounts, self.agent_channel = dict(agent_mounts or {}), agent_channel
 
     def build_image(self, name: str, context: Path, dockerfile: str = "Dockerfile",
                     base_images: dict[str, str] | None = None,
@@ -584,6 +592,9 @@ class DockerBackend:
         container = None
         start_id = uuid.uuid4().hex  # finds the container if the engine created it but the reply was lost
         if services is not None:
+            if self.agent_channel or self.agent_mounts:
+                raise SandboxInfraError("sandbox_start_failed", f"{image}: a multi-service task cannot run an "
+                                        "installed agent (its compose project has no channel to the gateway)")
             if network and egress_hosts is not None:
                 raise SandboxInfraError("sandbox_start_failed", f"{image}: a multi-service task cannot have an "
                                         "allowlist (compose sandboxes do not go through the egress proxy)")
@@ -599,6 +610,10 @@ class DockerBackend:
                                     "which needs the egress proxy (tasks.egress.enabled = true)")
         elif network:
             network_mode = INTERNET_NETWORK
+        channel = self.agent_channel and network_mode != EGRESS_NETWORK
+        if channel and network_mode == "none":  # the channel only: the firewall opens nothing but its ports
+            network_mode, channel = EGRESS_NETWORK, False
+        volumes = {host: {"bind": path, "mode": "ro"} for host, path in self.agent_mounts.items()} or None
         try:
             # create, then start: a start that fails (engine going down) must not leak the created container
             container = self.client.containers.create(
@@ -609,8 +624,10 @@ class DockerBackend:
                 security_opt=["no-new-privileges"],
                 tmpfs=self._tmpfs(),
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
-                labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels},
+                labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}, volumes=volumes,
             )
+            if channel:  # a task with the internet (no egress proxy) joins the channel's network too
+                self.client.networks.get(EGRESS_NETWORK).connect(container)
             if sessions:
                 container.put_archive("/", _tar_file(CONTAINER_CA.lstrip("/"), self.egress.ca_bundle().read_bytes()))
             container.start()

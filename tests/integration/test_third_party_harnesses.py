@@ -164,7 +164,7 @@ def terminus(keystrokes: list[str], complete: bool = False) -> str:
                        "commands": [{"keystrokes": k, "duration": 0.1} for k in keystrokes]})
 
 
-def docker_episode(backend, tiny_tokenizer, tmp_path, replies, harness, max_turns=5):
+def docker_episode(backend, tiny_tokenizer, tmp_path, replies, harness, max_turns=5, max_model_len=8192):
     """One episode of the real harness against a scripted engine, in a real sandbox (the base image)."""
     from infra.environments import BASE_IMAGE
     from infra.rollout.collector import Collector, CollectSettings
@@ -173,7 +173,7 @@ def docker_episode(backend, tiny_tokenizer, tmp_path, replies, harness, max_turn
     from tests.fakes import ScriptedEngine
     from tests.unit.test_episode import CODE_IMAGE, terminal_task
 
-    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=8192)
+    engine = ScriptedEngine(tiny_tokenizer, replies, max_model_len=max_model_len)
     settings = CollectSettings(group_size=1, temperature=0.7, top_p=0.95, max_tokens_per_turn=400,
                                max_turns=max_turns, seed=0, max_infra_retries=0)
     c = Collector(engine, backend, settings, code_image=CODE_IMAGE, harness=harness)
