@@ -267,6 +267,9 @@ class ClaudeCodeHarnessConfig(_Strict):
     """Wall-clock cap on one episode's agent process (then ``agent_timeout``), within the task's agent timeout."""
     tool_parser: str = "hermes"
     """vLLM tool parser for the agent's tool calls (its tools come with every request)."""
+    small_model_calls: Literal["side", "trained"] = "side"
+    """Claude Code's small-model calls (its Haiku alias: titles, command checks): ``side``, answered by the
+    policy but not trained on (counted in the row's ``side_calls``), or ``trained``, kept as row segments."""
 
 
 class CodexHarnessConfig(_Strict):
@@ -295,8 +298,9 @@ def build_harness(c: BashFenceHarnessConfig | MiniSweAgentHarnessConfig | Termin
     if isinstance(c, ClaudeCodeHarnessConfig | CodexHarnessConfig):
         from envs.harnesses.installed import ClaudeCodeHarness, CodexHarness
 
-        cls = ClaudeCodeHarness if isinstance(c, ClaudeCodeHarnessConfig) else CodexHarness
-        return cls(c.version, c.wall_timeout_s, c.tool_parser)
+        if isinstance(c, ClaudeCodeHarnessConfig):
+            return ClaudeCodeHarness(c.version, c.wall_timeout_s, c.tool_parser, c.small_model_calls)
+        return CodexHarness(c.version, c.wall_timeout_s, c.tool_parser)
     if isinstance(c, Terminus2HarnessConfig):
         from envs.harnesses.terminus_2 import Terminus2Harness
 

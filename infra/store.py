@@ -110,6 +110,9 @@ class Trajectory:
     egress_verifier_bytes: int = _column(pa.int64(), added=int)
     egress_verifier_hosts: list[str] = _column(pa.list_(pa.string()), added=list)
     egress_verifier_denied: list[str] = _column(pa.list_(pa.string()), added=list)
+    # Gateway calls the episode made that were answered but are not in ``token_ids``: token counts, model
+    # lists, and completions asked of a side model (an installed agent's small-model calls for titles).
+    side_calls: int = _column(pa.int32(), added=int)
 
     def row(self) -> dict:
         """As a row dict (``write_step`` input; what ``read_step(...).to_pylist()`` gives back)."""

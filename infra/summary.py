@@ -111,6 +111,8 @@ class RolloutStats:
     """What the step's sandboxes sent out through the egress proxy (:func:`egress_totals`)."""
     policy_version_tokens: dict[int, int] = field(default_factory=dict)
     """Sampled tokens per policy version (the file's lineage: each version is an input of it)."""
+    side_calls: int = 0
+    """Gateway calls answered but not trained on, over the rows (their ``side_calls``)."""
 
     @property
     def policy_lag_hist(self) -> dict[int, int]:
@@ -187,6 +189,7 @@ class StepSummary:
             "completion_tokens_mean": round(b.completion_tokens_mean, 2), "turns_mean": round(b.turns_mean, 2),
             "outcomes": b.outcomes, "infra_reasons": b.infra_reasons, "retried": b.retried,
             "verifier_tampered": b.verifier_tampered, "egress": dict(getattr(b, "egress", {})),
+            "side_calls": getattr(b, "side_calls", 0),
             "episode_time_s": {k: round(v, 3) for k, v in getattr(b, "episode_time_s", {}).items()},
             "sandbox_warm": b.sandbox_warm, "sandbox_acquire_p50_s": round(b.sandbox_acquire_p50_s, 3),
             "rows": b.rows, "rollouts_reused": b.reused, "policy_lag_max": t.policy_lag_max,
@@ -264,6 +267,8 @@ def format_summary(s: dict) -> str:
     if (egress := s.get("egress") or {}).get("agent_requests") or egress.get("verifier_requests"):
         outcomes += (f" egress[agent={egress['agent_requests']:.0f} verifier={egress['verifier_requests']:.0f} "
                      f"denied_rows={egress['agent_denied_rows'] + egress['verifier_denied_rows']:.0f}]")
+    if s.get("side_calls"):
+        outcomes += f" side_calls={s['side_calls']}"
     pass1 = " ".join(f"pass@{k}={v:.3f}" for k, v in s.get("eval_pass_at_k", {}).items()) or "n/a"
     if s.get("eval_delta"):
         pass1 += " (vs previous: " + " ".join(f"{v:+.3f}" for v in s["eval_delta"].values()) + ")"

@@ -92,7 +92,7 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
         turns_mean=sum(row["num_turns"] for row in finished) / max(len(finished), 1),
         verifier_tampered=sum(row["reason"] == "verifier_tampered" for row in rows),
         episode_time_s=episode_time_split(rows), egress=egress_totals(rows),
-        policy_version_tokens=version_tokens)
+        policy_version_tokens=version_tokens, side_calls=sum(row.get("side_calls") or 0 for row in rows))
 
 
 def policy_version_tokens(rows: list[dict]) -> dict[int, int]:

@@ -34,6 +34,8 @@ CONFIG_DIR = "/var/lib/agentrl-agent"
 ``/tmp``, where Codex refuses to put its helper binaries)."""
 MODEL = "policy"
 """The model name the agent asks for (the gateway samples the policy whatever the name)."""
+SIDE_MODEL = "policy-side"
+"""The name given for an agent's small model when its calls are side calls (the gateway's ``side_models``)."""
 
 
 class InstalledAgentHarness:
@@ -109,10 +111,20 @@ class ClaudeCodeHarness(InstalledAgentHarness):
 
     ``claude -p`` with the instruction on stdin, ``--output-format json``, permissions bypassed
     (``IS_SANDBOX=1`` allows that as root, as Harbor sets it), non-essential traffic (telemetry, updates)
-    off, every model alias pointed at the policy.
+    off, every model alias pointed at the policy. Its small-model calls (Haiku's alias: a title, a check of
+    a command) are side calls by default (``small_model_calls="side"``): the policy answers them on their own
+    prompt, counted in the row's ``side_calls``, not trained on; ``"trained"`` keeps them as segments of the row.
     """
 
     cli = "claude-code"
+
+    def __init__(self, version: str, wall_timeout_s: float = 900.0, tool_parser: str = "hermes",
+                 small_model_calls: str = "side"):
+        if small_model_calls not in ("side", "trained"):
+            raise ValueError(f"small_model_calls must be 'side' or 'trained', got {small_model_calls!r}")
+        super().__init__(version, wall_timeout_s, tool_parser)
+        self.small_model = SIDE_MODEL if small_model_calls == "side" else MODEL
+        self.side_models = (SIDE_MODEL,) if small_model_calls == "side" else ()
 
     @property
     def spec(self) -> str:
@@ -122,9 +134,9 @@ class ClaudeCodeHarness(InstalledAgentHarness):
     def invocation(self, base_url: str, key: str) -> tuple[str, dict[str, str]]:
         """``claude -p`` (see the class docstring)."""
         env = {"ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key,
-               "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+               "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": self.small_model,
                "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL, "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-               "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL, "CLAUDE_CONFIG_DIR": f"{CONFIG_DIR}/claude",
+               "ANTHROPIC_DEFAULT_HAIKU_MODEL": self.small_model, "CLAUDE_CONFIG_DIR": f"{CONFIG_DIR}/claude",
                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
                "DISABLE_TELEMETRY": "1", "IS_SANDBOX": "1"}
         binary = f"{AGENT_DIR}/package/claude"

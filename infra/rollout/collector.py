@@ -91,6 +91,7 @@ class Episode:
     verify_s: float = 0.0
     segment_starts: list[int] = field(default_factory=lambda: [0])
     egress: dict[str, dict] = field(default_factory=dict)  # the sandbox's egress record by phase, at release
+    side_calls: int = 0  # gateway calls answered but not trained on (token counts, model lists, side models)
 
     @property
     def done(self) -> bool:
@@ -232,6 +233,34 @@ class _EpisodeIO:
             if sample is None:  # nothing sampled: the call leaves no trace in the row
                 e.truncate(*before)
         return sample or self.ended
+
+    def sample_side(self, prompt_ids: list[int], max_tokens: int | None, stop: tuple[str, ...]) -> Sample | str:
+        """A side call's sample (an agent's small-model call): the policy samples it, the row never holds it.
+
+        Returns the sample, or why it was refused (the episode ended, ``context_full`` for this prompt alone,
+        ``engine_unreachable``); a refusal never ends the episode. Its engine time counts in ``generation_s``.
+        """
+        e, s = self.e, self.runner.s
+        if (why := self.ended):
+            return why
+        room = self.max_model_len - len(prompt_ids)
+        if room < 8:
+            return "context_full"
+        request = SampleRequest(prompt_ids, min(max_tokens or s.max_tokens_per_turn, s.max_tokens_per_turn, room),
+                                s.temperature, s.top_p, e.seed + 104729 * (e.side_calls + 1), top_k=s.top_k,
+                                stop=stop)
+        start = time.monotonic()
+        try:
+            (sample,) = self.runner.engine.generate([request], [f"{e.episode_id}-side"])
+        except EngineUnavailable as err:
+            log.warning("engine unavailable for a side call of episode %s: %s", e.episode_id, err)
+            return "engine_unreachable"
+        e.generation_s += time.monotonic() - start
+        return sample
+
+    def side_call(self, kind: str) -> None:
+        """Count one side call (any kind) in the row's ``side_calls``."""
+        self.e.side_calls += 1
 
     @property
     def _segment_start(self) -> int:
@@ -402,7 +431,8 @@ class Collector:
 
                     channel = EGRESS_GATEWAY
                 self._gateway = Gateway(self.engine.tokenizer, tool_parser=getattr(self.harness, "tool_parser", ""),
-                                        channel_host=channel)
+                                        channel_host=channel,
+                                        side_models=tuple(getattr(self.harness, "side_models", ())))
             return self._gateway
 
     def close(self) -> None:
@@ -581,7 +611,7 @@ class Collector:
             verify_s=e.verify_s, engine_replica=e.engine_replica or self.engine.replica, sandbox_id=e.sandbox_id,
             sandbox_warm=e.sandbox_warm, segment_starts=list(e.segment_starts),
             episode_s=time.monotonic() - e.created_s, engine_queue_s=e.engine_queue_s,
-            prefill_s=e.prefill_s, decode_s=e.decode_s, **egress_columns(e.egress),
+            prefill_s=e.prefill_s, decode_s=e.decode_s, side_calls=e.side_calls, **egress_columns(e.egress),
         ).row()
 
 

@@ -75,6 +75,12 @@ class GatewayEpisode(Protocol):
     def fail(self, reason: str) -> None:
         """End the episode as an infra failure (the gateway itself failed on one of its calls)."""
 
+    def sample_side(self, prompt_ids: list[int], max_tokens: int | None, stop: tuple[str, ...]) -> Sample | str:
+        """Sample on ``prompt_ids`` for a side call: answered by the policy, never put in the trained row."""
+
+    def side_call(self, kind: str) -> None:
+        """Count one side call of ``kind`` (``count_tokens``, ``models``, ``side_model``) in the episode's row."""
+
 
 def _text(content: Any) -> str:
     """A message's content as text (a list of parts is joined, as vLLM's server does for text parts)."""
@@ -124,6 +130,13 @@ class Transcript:
     messages: list[dict] = field(default_factory=list)  # normalized, the reply included
     tools: Any = None
     calls: int = 0
+
+
+def _context_exceeded(max_model_len: int, prompt_tokens: int) -> GatewayError:
+    """The error vLLM's server gives for a prompt that leaves no room in the context."""
+    return GatewayError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                        f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
+                        param="messages", code="context_length_exceeded")
 
 
 class ChatRenderer:
@@ -197,6 +210,8 @@ class Gateway:
         tokenizer: the policy's tokenizer (its chat template renders every request).
         tool_parser: a ``vllm.tool_parsers`` name (``hermes``, ``llama3_json``, ...) or "" for none.
         host: address to bind (loopback by default: harnesses run on this machine).
+        side_models: model names whose completions are side calls (an agent's small-model calls for a title or
+            a summary): sampled by the policy on their own prompt, answered, counted, never trained on.
         channel_host: also listen there, on a port of ``infra.egress.proxy.PORTS`` (the ``agentrl-egress``
             bridge: an agent installed in a sandbox reaches the gateway there and nothing else of the host).
 
@@ -205,7 +220,7 @@ class Gateway:
     """
 
     def __init__(self, tokenizer, tool_parser: str = "hermes", host: str = "127.0.0.1",
-                 channel_host: str | None = None):
+                 channel_host: str | None = None, side_models: tuple[str, ...] = ()):
         self.renderer = ChatRenderer(tokenizer)
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
@@ -215,7 +230,8 @@ class Gateway:
         self.refused = 0  # requests answered with an error
         self.calls = 0  # completions served
         self.overhead_s = 0.0  # seconds spent in the gateway itself (rendering, parsing), engine time excluded
-        self.side_calls: dict[str, int] = {}  # calls answered without sampling (token counts), by kind
+        self.side_calls: dict[str, int] = {}  # calls answered but never trained on, by kind (see _side_call)
+        self.side_models = frozenset(side_models)
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
@@ -266,6 +282,14 @@ class Gateway:
                                "authentication_error", code="invalid_api_key")
         return s
 
+    def _side_call(self, session: _Session, kind: str) -> None:
+        """Count a side call: the gateway's total and the episode's row (``side_calls``)."""
+        with self._lock:
+            self.side_calls[kind] = self.side_calls.get(kind, 0) + 1
+        count = getattr(session.episode, "side_call", None)
+        if count is not None:
+            count(kind)
+
     def _fail(self, key: str) -> None:
         """An unexpected error serving ``key``: its episode ends as ``infra_failure/harness_error``."""
         with self._lock:
@@ -293,11 +317,6 @@ class Gateway:
             tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
             if request.tool_choice == "none":
                 tools = None
-            try:
-                prompt_ids, extends = self.renderer.prompt(session.transcript, messages, tools, session.history_ids)
-            except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
-                raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
-                                   f"{type(err).__name__}: {err}", param="messages") from err
             requested = body.get("max_completion_tokens", body.get("max_tokens"))
             if requested is not None:
                 requested = request.max_completion_tokens or request.__dict__.get("max_tokens")
@@ -305,13 +324,18 @@ class Gateway:
                     raise GatewayError(400, f"max_tokens must be a positive integer, got {requested!r}",
                                        param="max_tokens")
             stop = tuple([request.stop] if isinstance(request.stop, str) else (request.stop or []))
+            if body.get("model") in self.side_models:  # answered on its own prompt; the episode's row is untouched
+                return self._side_completion(session, body, request, messages, tools, requested, stop)
+            try:
+                prompt_ids, extends = self.renderer.prompt(session.transcript, messages, tools, session.history_ids)
+            except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
+                raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
+                                   f"{type(err).__name__}: {err}", param="messages") from err
             overhead = time.monotonic() - start
             result = ep.sample_ids(prompt_ids, extends, requested, stop)
             start = time.monotonic()
-            if result == "context_full":  # the error vLLM's server gives; the runner ended the episode
-                raise GatewayError(400, f"This model's maximum context length is {ep.max_model_len} tokens. "
-                                   f"However, your messages resulted in {len(prompt_ids)} tokens. Please reduce "
-                                   "the length of the messages.", param="messages", code="context_length_exceeded")
+            if result == "context_full":  # the runner ended the episode
+                raise _context_exceeded(ep.max_model_len, len(prompt_ids))
             if isinstance(result, str):
                 raise GatewayError(400, f"the episode has ended ({result}): no more completions are served for it",
                                    code="episode_ended")
@@ -321,12 +345,38 @@ class Gateway:
                                             session.transcript.calls + 1)
             self.calls += 1
             self.overhead_s += overhead + time.monotonic() - start
-        finish = reply.pop("finish_reason")
+        return self._completion(body.get("model") or ep.model_name, reply, len(prompt_ids), len(result.token_ids))
+
+    @staticmethod
+    def _completion(model: str, reply: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The chat-completions response for ``reply`` (:meth:`_reply`'s message and finish reason)."""
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or ep.model_name,
-                "choices": [{"index": 0, "message": reply["message"], "logprobs": None, "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
-                          "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+                "model": model, "choices": [{"index": 0, "message": reply["message"], "logprobs": None,
+                                             "finish_reason": reply["finish_reason"]}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _side_completion(self, session: _Session, body: dict, request, messages: list[dict], tools,
+                         requested: int | None, stop: tuple[str, ...]) -> dict:
+        """A side model's completion (see ``side_models``): rendered whole, sampled, answered, counted.
+
+        Raises:
+            GatewayError: the template cannot render the messages, the prompt alone fills the context,
+                or the episode has ended.
+        """
+        try:
+            prompt_ids = self.tokenizer.encode(self.renderer.render(messages, tools, True), add_special_tokens=False)
+        except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
+            raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
+                               f"{type(err).__name__}: {err}", param="messages") from err
+        result = session.episode.sample_side(prompt_ids, requested, stop)
+        if result == "context_full":  # this prompt alone; the episode goes on
+            raise _context_exceeded(session.episode.max_model_len, len(prompt_ids))
+        if isinstance(result, str):
+            raise GatewayError(400, f"side call not served ({result})", code="episode_ended")
+        self._side_call(session, "side_model")
+        return self._completion(body["model"], self._reply(result, request, tools), len(prompt_ids),
+                                len(result.token_ids))
 
     # -- Anthropic Messages (infra.rollout.wire_anthropic) ---------------------------------------
     def complete_messages(self, key: str, body: Any) -> dict:
@@ -393,11 +443,10 @@ class Gateway:
         """
         from infra.rollout import wire_anthropic
 
-        self._session(key)
+        session = self._session(key)
         chat = wire_anthropic.chat_body(body, count_only=True)
         text = self.renderer.render(normalize_messages(chat["messages"]), chat.get("tools"), True)
-        with self._lock:
-            self.side_calls["count_tokens"] = self.side_calls.get("count_tokens", 0) + 1
+        self._side_call(session, "count_tokens")
         return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
 
     def _parse(self, body: Any):
@@ -560,6 +609,7 @@ class Gateway:
                 s = self._session(key)
             except GatewayError as err:
                 return error(err)
+            self._side_call(s, "models")
             name = s.episode.model_name  # one list both SDKs read: OpenAI's fields and Anthropic's
             return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agentrl",
                                                              "type": "model", "display_name": name,

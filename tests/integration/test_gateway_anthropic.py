@@ -110,6 +110,34 @@ def test_count_tokens_and_models_answer_without_sampling(tiny_tokenizer, tmp_pat
     assert len(harness.errors[1]) == 1 and harness.errors[1] == harness.errors[2]  # one list, both SDKs' shapes
 
 
+def test_a_side_models_calls_are_answered_by_the_policy_and_counted_but_not_in_the_row(tiny_tokenizer, tmp_path):
+    """Claude Code's small-model calls (a title) interleave with its main loop; the row keeps the main loop only."""
+    def script(client, io, endpoint, notes):
+        notes.append(client.messages.create(model="policy", max_tokens=64, system=SYSTEM, messages=[USER],
+                                            tools=[BASH]).content[0].text)
+        title = client.messages.create(model="policy-side", max_tokens=16, system="Name this conversation.",
+                                       messages=[USER])
+        notes.append((title.model, title.content[0].text, title.usage.input_tokens))
+        client.messages.count_tokens(model="policy", system=SYSTEM, messages=[USER], tools=[BASH])
+        notes.append(client.messages.create(model="policy", max_tokens=64, system=SYSTEM, tools=[BASH], messages=[
+            USER, {"role": "assistant", "content": notes[0]}, {"role": "user", "content": "go on"}]).content[0].text)
+
+    engine = ScriptedEngine(tiny_tokenizer, ["ls", "Hello title", "done"])
+    harness = ClientHarness(script, anthropic_client)
+    harness.side_models = ("policy-side",)
+    row = run_episode(engine, world, harness, tmp_path, 5, max_tokens_per_turn=256)
+    first, (model, title, title_prompt), last = harness.errors
+    assert (first, model, title, last) == ("ls", "policy-side", "Hello title", "done")
+    side = engine.received[1]
+    assert title_prompt == len(side.request.prompt_ids) and "Name this conversation." in tiny_tokenizer.decode(
+        side.request.prompt_ids)
+    # the main loop stays one sequence of its two calls; the side call's ids are nowhere in the row
+    assert row["segment_starts"] == [0] and row["num_turns"] == 2 and row["side_calls"] == 2
+    assert row["token_ids"] == engine.received[2].request.prompt_ids + sampled(engine, 2)
+    mask = np.array(row["loss_mask"])
+    assert list(np.array(row["token_ids"])[mask == 1]) == sampled(engine, 0) + sampled(engine, 2)
+
+
 def test_bad_requests_get_anthropic_errors_and_record_nothing(tiny_tokenizer, tmp_path):
     def script(client, io, endpoint, notes):
         for kwargs in ({"messages": [USER]},  # no max_tokens

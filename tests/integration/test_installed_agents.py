@@ -141,7 +141,8 @@ def test_an_installed_agent_trains_through_post_train_token_exact(kind, s3, tmp_
     assert ran, [(r["outcome"], r["reason"]) for r in rows]
     engine_side = {(tuple(c["prompt_ids"]), tuple(c["token_ids"])) for c in calls}
     for r in ran:
-        assert sampled_runs(r, engine_side) == r["num_turns"] >= 1 and r["agent_end"] in ("max_turns", "done", "truncated_turn")
+        assert sampled_runs(r, engine_side) == r["num_turns"] >= 1
+        assert r["agent_end"] in ("max_turns", "done", "truncated_turn")
     assert summary["rows_trained"] >= 1
     print(f"{kind} rows:", [(r["task_id"], r["outcome"], r["agent_end"], r["num_turns"], len(r["segment_starts"]),
                              len(r["token_ids"])) for r in rows], "engine calls:", len(calls),

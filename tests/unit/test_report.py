@@ -18,7 +18,7 @@ def _summary(step: int, **kw) -> dict:
     """A stored summary as ``StepSummary.to_json`` writes it after a JSON round trip (async collector)."""
     s = {"step": step, "time_to_batch_s": 10.0 + step, "reward_mean": 0.1 * step, "completion_tokens_mean": 40.0 + step,
          "turns_mean": 2.5, "outcomes": {"success": step, "model_failure": 8 - step}, "infra_reasons": {}, "retried": 0,
-         "verifier_tampered": 0, "egress": {},
+         "verifier_tampered": 0, "egress": {}, "side_calls": 0,
          "episode_time_s": {"sandbox_acquire_s": 1.0, "engine_queue_s": 0.5, "prefill_s": 1.0, "decode_s": 5.0,
                             "generation_other_s": 0.1, "tool_s": 2.0, "verify_s": 3.0, "overhead_s": 0.4,
                             "episode_s": 13.0},

@@ -26,7 +26,8 @@ ADDED_KEYS = {"rows_trained", "update_norm", "segments_trained",  # since the st
               "completion_tokens_mean", "turns_mean",  # since the report plots response length and turns
               "verifier_tampered",  # since verification detects tampering
               "episode_time_s",  # since the report splits an episode's wall time
-              "egress"}  # since sandboxes reach the outside through the egress proxy
+              "egress",  # since sandboxes reach the outside through the egress proxy
+              "side_calls"}  # since installed agents make calls that are answered but not trained on
 TRAIN = {"rows_trained": 8.0, "rows_with_signal": 4.0, "optimizer_step": 1.0, "loss": -0.5, "grad_norm": 0.25,
          "logprob_abs_diff": 2e-5, "kl_k1": 1e-6, "kl_k3": 3e-6, "tis_capped_frac": 0.0, "tis_masked_frac": 0.0,
          "ratio_p05": 0.999, "ratio_p50": 1.0, "ratio_p95": 1.001, "rows_dropped_divergence": 0.0,
