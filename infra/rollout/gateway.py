@@ -139,6 +139,12 @@ def _context_exceeded(max_model_len: int, prompt_tokens: int) -> GatewayError:
                         param="messages", code="context_length_exceeded")
 
 
+def _unrenderable(err: Exception) -> GatewayError:
+    """The error for messages the model's chat template cannot render."""
+    return GatewayError(400, f"messages could not be rendered with the model's chat template: "
+                        f"{type(err).__name__}: {err}", param="messages")
+
+
 class ChatRenderer:
     """Renders requests with the tokenizer's chat template and extends a transcript by ids.
 
@@ -175,6 +181,10 @@ class ChatRenderer:
                 tail = closing + full[len(before):]
                 return history_ids + self.tokenizer.encode(tail, add_special_tokens=False), True
         return self.tokenizer.encode(full, add_special_tokens=False), False
+
+    def ids(self, messages: list[dict], tools: Any) -> list[int]:
+        """The whole prompt's ids for ``messages`` (rendered with the generation prompt), no transcript."""
+        return self.tokenizer.encode(self.render(messages, tools, True), add_special_tokens=False)
 
 
 @dataclass
@@ -329,8 +339,7 @@ class Gateway:
             try:
                 prompt_ids, extends = self.renderer.prompt(session.transcript, messages, tools, session.history_ids)
             except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
-                raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
-                                   f"{type(err).__name__}: {err}", param="messages") from err
+                raise _unrenderable(err) from err
             overhead = time.monotonic() - start
             result = ep.sample_ids(prompt_ids, extends, requested, stop)
             start = time.monotonic()
@@ -365,10 +374,9 @@ class Gateway:
                 or the episode has ended.
         """
         try:
-            prompt_ids = self.tokenizer.encode(self.renderer.render(messages, tools, True), add_special_tokens=False)
+            prompt_ids = self.renderer.ids(messages, tools)
         except Exception as err:  # noqa: BLE001 - a template that cannot render these messages
-            raise GatewayError(400, f"messages could not be rendered with the model's chat template: "
-                               f"{type(err).__name__}: {err}", param="messages") from err
+            raise _unrenderable(err) from err
         result = session.episode.sample_side(prompt_ids, requested, stop)
         if result == "context_full":  # this prompt alone; the episode goes on
             raise _context_exceeded(session.episode.max_model_len, len(prompt_ids))
@@ -445,9 +453,9 @@ class Gateway:
 
         session = self._session(key)
         chat = wire_anthropic.chat_body(body, count_only=True)
-        text = self.renderer.render(normalize_messages(chat["messages"]), chat.get("tools"), True)
+        prompt_ids = self.renderer.ids(normalize_messages(chat["messages"]), chat.get("tools"))
         self._side_call(session, "count_tokens")
-        return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
+        return {"input_tokens": len(prompt_ids)}
 
     def _parse(self, body: Any):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
