@@ -14,7 +14,9 @@ apart); ``unusable`` makes it ``no_solution``.
 
 Sandboxes and builds go through the egress proxy (``infra.egress``, as ``tasks.egress.enabled``; a
 denied or failed host is in the task's log and named by its cause); ``--mirror uv`` declares the uv
-mirror (uv's installer from PyPI's wheel); ``--no-egress`` reaches the outside directly.
+mirror (uv's installer from PyPI's wheel); ``--exclude-newer 2025-07-01`` declares the ``exclude-newer``
+mirror (PyPI as it was then, for tasks whose unpinned dependencies have moved on); ``--no-egress`` reaches
+the outside directly.
 
 Corpora are folders of task folders; ``checkout`` copies a sub-folder of a fetched git mirror
 (``git archive``) so nothing third-party is committed here (``--remove-solutions`` drops each
@@ -43,6 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from envs.taskset import load_taskset
+from infra.egress.mirrors import parse_cutoff
 from infra.egress.policy import Mirror
 from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy, EgressSettings
 from infra.environments import BASE_IMAGE, EnvEntry, build_catalog
@@ -205,6 +208,8 @@ def main() -> None:
     r.add_argument("--no-egress", action="store_true", help="sandboxes and builds reach the outside directly")
     r.add_argument("--mirror", action="append", default=[], choices=("uv",),
                    help="a declared egress mirror (tasks.egress.mirrors); repeatable")
+    r.add_argument("--exclude-newer", default="", metavar="DATE",
+                   help="declare the exclude-newer mirror: PyPI without files uploaded at or after DATE (ISO 8601)")
     r.add_argument("--reference-less", choices=("usable", "unusable"), default="usable",
                    help="a task without a reference solution: validated without one (usable, marked "
                         "unverified_reference) or unusable (no_solution), as tasks.reference_less")
@@ -214,7 +219,11 @@ def main() -> None:
                        args.name_pattern, args.remove_solutions), "task folders")
         return
     t0 = time.perf_counter()
-    egress = None if args.no_egress else EgressSettings(mirrors=tuple(Mirror(kind) for kind in args.mirror))
+    mirrors = [Mirror(kind) for kind in args.mirror]
+    if args.exclude_newer:
+        parse_cutoff(args.exclude_newer)
+        mirrors.append(Mirror("exclude-newer", source=args.exclude_newer))
+    egress = None if args.no_egress else EgressSettings(mirrors=tuple(mirrors))
     records = run(args.roots, args.parallel, args.keep_images, not args.offline, args.reference_less, egress)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1))

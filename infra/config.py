@@ -54,15 +54,30 @@ class ModelConfig(_Strict):
 class MirrorConfig(_Strict):
     """A substitute source for URLs a cluster cannot reach (``infra.egress.mirrors``); every use is logged."""
 
-    kind: Literal["uv", "folder", "url"]
+    kind: Literal["uv", "folder", "url", "exclude-newer"]
     """``uv``: uv's installer (``https://astral.sh/uv/<v>/install.sh``) and release archives
     (``github.com/astral-sh/uv/releases/download/<v>/...``) made from PyPI's ``uv`` wheel of that version;
     ``folder``: URLs under ``prefix`` answered from the files under ``source``; ``url``: fetched from under
-    the base URL ``source`` instead."""
+    the base URL ``source`` instead; ``exclude-newer``: the package index's project pages without the files
+    uploaded at or after ``source`` (uv's ``--exclude-newer`` for pip, uv and any client), for tasks whose
+    unpinned dependencies have moved on since they were written."""
     prefix: str = ""
-    """The URLs it serves (``https://huggingface.co/``); unused for ``uv``."""
+    """The URLs it serves (``https://huggingface.co/``); unused for ``uv``; ``exclude-newer``: the index's
+    simple API root (default ``https://pypi.org/simple/``)."""
     source: str = ""
-    """``folder``: a local folder; ``url``: a base URL; ``uv``: the package index (default PyPI)."""
+    """``folder``: a local folder; ``url``: a base URL; ``uv``: the package index (default PyPI);
+    ``exclude-newer``: the cutoff, an ISO 8601 date or date-time in UTC (``2025-07-01``)."""
+
+    @model_validator(mode="after")
+    def _check_cutoff(self):
+        if self.kind == "exclude-newer":
+            from infra.egress.mirrors import parse_cutoff
+
+            try:
+                parse_cutoff(self.source)
+            except ValueError as e:
+                raise ValueError(f"tasks.egress.mirrors: kind = \"exclude-newer\": source = {e}") from None
+        return self
 
 
 class EgressConfig(_Strict):

@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import time
+import urllib.error
 import uuid
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
@@ -293,6 +294,9 @@ class Egress:
             query = f"?{flow.request.url.split('?', 1)[1]}" if "?" in flow.request.url else ""
             flow.request.url = mirror.source.rstrip("/") + "/" + match["path"].lstrip("/") + query
             return
+        if mirror.kind == "exclude-newer":
+            await self._exclude_newer(flow, mirror)
+            return
         try:
             if mirror.kind == "folder":
                 body = mirror_sources.folder_file(mirror.source, match["path"])
@@ -311,6 +315,30 @@ class Egress:
                 headers["Content-Type"] = "text/x-shellscript"
             flow.response = http.Response.make(200, body, headers)
         self._record(flow, f"mirror {mirror.name}")
+
+    async def _exclude_newer(self, flow: http.HTTPFlow, mirror: Mirror) -> None:
+        """A project page without the files uploaded at or after the mirror's cutoff.
+
+        (``mirrors.index_page_before``); the index's own error status (a missing project's ``404``) is passed on.
+        """
+        url, name = flow.request.url, f"mirror {mirror.name}"
+        accept = flow.request.headers.get("Accept", "text/html")
+        try:
+            body, content_type, dropped = await asyncio.to_thread(
+                mirror_sources.index_page_before, url, mirror_sources.parse_cutoff(mirror.source), accept,
+                self.config.get("upstream_ca") or None)
+        except urllib.error.HTTPError as e:
+            flow.response = http.Response.make(e.code, f"agentrl egress: {url}: the index answered {e.code}\n"
+                                               .encode(), {"Content-Type": "text/plain", HEADER: name})
+            self._record(flow, name)
+            return
+        except (OSError, ValueError) as e:
+            text = f"agentrl egress: mirror {mirror.name} cannot serve {url}: {e}\n".encode()
+            flow.response = http.Response.make(502, text, {"Content-Type": "text/plain", HEADER: "mirror-error"})
+            self._record(flow, name, error=str(e)[:200])
+            return
+        flow.response = http.Response.make(200, body, {"Content-Type": content_type, HEADER: name})
+        self._record(flow, name, dropped=dropped)
 
     def _uv(self, url: str, match: dict[str, str], mirror: Mirror) -> bytes:
         pypi = mirror.source or self.config.get("pypi", "https://pypi.org")

@@ -11,10 +11,17 @@
   The script says on stderr that a mirror served it, so the build or verification log shows it.
 - ``folder``: the file under the mirror's folder at the URL's path below its prefix.
 - ``url``: the same path under another base URL (the proxy fetches it).
+- ``exclude-newer``: a package index's project page (the simple repository API, ``<prefix><project>/``)
+  without the files uploaded at or after the cutoff, as uv's ``--exclude-newer`` and pip's
+  ``--uploaded-prior-to`` resolve, for any client: a task written in June 2025 whose unpinned
+  dependencies have since dropped names it uses installs what it was written against. The page is fetched
+  in its JSON form (PEP 691), whose files carry ``upload-time`` (PEP 700); a file without one is left out.
+  A client that asks only for HTML gets the same files as PEP 503 HTML.
 """
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import re
@@ -23,6 +30,7 @@ import tarfile
 import urllib.error
 import urllib.request
 import zipfile
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 _FETCH_TIMEOUT_S = 120
@@ -135,3 +143,89 @@ def folder_file(folder: str, path: str) -> bytes | None:
         return None
     target = Path(folder) / rel
     return target.read_bytes() if target.is_file() else None
+
+
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+
+
+def parse_cutoff(value: str) -> datetime:
+    """An ``exclude-newer`` cutoff (``2025-07-01`` or ``2025-07-01T00:00:00Z``; a date is its first instant, UTC).
+
+    Raises:
+        ValueError: not an ISO 8601 date or date-time (the message names the expected form).
+    """
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(f"{value!r} is not a cutoff: expected an ISO 8601 date or date-time in UTC, e.g. "
+                         "2025-07-01 or 2025-07-01T00:00:00Z") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _version(filename: str) -> str:
+    """The version a distribution's file name carries (``pkg-1.2-py3-none-any.whl``, ``pkg-1.2.tar.gz``)."""
+    if filename.endswith(".whl"):
+        return filename.split("-")[1] if filename.count("-") >= 4 else ""
+    stem = re.sub(r"\.(tar\.gz|tar\.bz2|tar\.xz|zip|tgz|egg)$", "", filename)
+    return stem.rsplit("-", 1)[1] if "-" in stem else ""
+
+
+def page_before(page: dict, cutoff: datetime) -> dict:
+    """A PEP 691 project page without the files uploaded at or after ``cutoff`` (or without ``upload-time``).
+
+    ``versions`` (PEP 700) keeps the versions that still have a file.
+    """
+    files = []
+    for f in page.get("files", []):
+        uploaded = f.get("upload-time")
+        if uploaded and parse_cutoff(uploaded) < cutoff:
+            files.append(f)
+    kept = {_version(f["filename"]) for f in files}
+    out = {**page, "files": files}
+    if "versions" in page:
+        out["versions"] = [v for v in page["versions"] if v in kept]
+    return out
+
+
+def page_html(page: dict) -> bytes:
+    """A PEP 691 project page as the PEP 503 HTML a client without JSON support reads.
+
+    Hashes, requires-python, yanked and core metadata become PEP 503/592/658/714 attributes.
+    """
+    links = []
+    for f in page.get("files", []):
+        href = f["url"] + "".join(f"#{k}={v}" for k, v in list(f.get("hashes", {}).items())[:1])
+        attrs = f'href="{html.escape(href)}"'
+        if f.get("requires-python"):
+            attrs += f' data-requires-python="{html.escape(f["requires-python"])}"'
+        if f.get("yanked"):
+            reason = f["yanked"] if isinstance(f["yanked"], str) else ""
+            attrs += f' data-yanked="{html.escape(reason)}"'
+        meta = f.get("core-metadata", f.get("dist-info-metadata"))
+        if isinstance(meta, dict) and meta:
+            k, v = next(iter(meta.items()))
+            attrs += f' data-core-metadata="{k}={v}" data-dist-info-metadata="{k}={v}"'
+        elif meta is True:
+            attrs += ' data-core-metadata="true" data-dist-info-metadata="true"'
+        links.append(f"<a {attrs}>{html.escape(f['filename'])}</a><br/>")
+    name = html.escape(page.get("name", ""))
+    return (f'<!DOCTYPE html>\n<html><head><meta name="pypi:repository-version" content="1.1">'
+            f"<title>Links for {name}</title></head><body><h1>Links for {name}</h1>\n"
+            + "\n".join(links) + "\n</body></html>\n").encode()
+
+
+def index_page_before(url: str, cutoff: datetime, accept: str, cafile: str | None) -> tuple[bytes, str, int]:
+    """The project page at ``url`` without files uploaded at or after ``cutoff``: (body, content type, files left out).
+
+    JSON when ``accept`` names :data:`SIMPLE_JSON`, else PEP 503 HTML.
+
+    Raises:
+        urllib.error.HTTPError: the index answered with an error (a missing project is its ``404``).
+        urllib.error.URLError: the index is unreachable.
+    """
+    page = json.loads(fetch(url, cafile, accept=SIMPLE_JSON))
+    kept = page_before(page, cutoff)
+    dropped = len(page.get("files", [])) - len(kept["files"])
+    if SIMPLE_JSON in accept:
+        return json.dumps(kept).encode(), SIMPLE_JSON, dropped
+    return page_html(kept), "text/html", dropped

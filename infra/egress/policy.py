@@ -125,9 +125,12 @@ class Mirror:
             archives ``https://github.com/astral-sh/uv/releases/download/<version>/uv-<arch>-unknown-linux-<libc>.tar.gz``,
             both made from PyPI's ``uv`` wheel of that version); ``folder`` (URLs under ``prefix``
             answered from the files under ``source``, a local folder); ``url`` (URLs under ``prefix``
-            fetched from under ``source``, another base URL).
-        prefix: the URLs it serves (``https://huggingface.co/``); unused for ``uv``.
-        source: the folder or base URL; unused for ``uv``.
+            fetched from under ``source``, another base URL); ``exclude-newer`` (a package index's project
+            pages, ``<prefix><project>/``, without the files uploaded at or after ``source``, an ISO 8601
+            cutoff: uv's ``--exclude-newer`` for every client).
+        prefix: the URLs it serves (``https://huggingface.co/``); unused for ``uv``; for ``exclude-newer``
+            the index's simple API root (default :data:`PYPI_SIMPLE`).
+        source: the folder, base URL or cutoff; unused for ``uv``.
     """
 
     kind: str
@@ -137,9 +140,12 @@ class Mirror:
     @property
     def name(self) -> str:
         """How the record and the logs name it (``uv``, ``folder https://huggingface.co/``)."""
+        if self.kind == "exclude-newer":
+            return f"exclude-newer {self.source}"
         return self.kind if self.kind == "uv" else f"{self.kind} {self.prefix}"
 
 
+PYPI_SIMPLE = "https://pypi.org/simple/"
 UV_INSTALLER = re.compile(r"^https?://astral\.sh/uv/(?:(?P<version>[0-9][A-Za-z0-9.+-]*)/)?install\.sh$")
 UV_RELEASE = re.compile(r"^https?://github\.com/astral-sh/uv/releases/download/(?P<version>[0-9][A-Za-z0-9.+-]*)/"
                         r"uv-(?P<arch>x86_64|aarch64)-unknown-linux-(?P<libc>gnu|musl)\.tar\.gz$")
@@ -153,6 +159,10 @@ def match_mirror(url: str, mirrors: tuple[Mirror, ...] | list[Mirror]) -> tuple[
             for pattern, what in ((UV_INSTALLER, "installer"), (UV_RELEASE, "release")):
                 if hit := pattern.match(bare):
                     return m, {"what": what, **{k: v for k, v in hit.groupdict().items() if v}}
+        elif m.kind == "exclude-newer":
+            root = (m.prefix or PYPI_SIMPLE).rstrip("/") + "/"
+            if bare.startswith(root) and re.fullmatch(r"[A-Za-z0-9._-]+/?", bare[len(root):]):
+                return m, {"what": "project", "project": bare[len(root):].rstrip("/")}
         elif bare.startswith(m.prefix if m.prefix.endswith("/") else f"{m.prefix}/"):
             return m, {"path": bare[len(m.prefix):]}
     return None
@@ -201,7 +211,7 @@ class EgressSummary:
                 s.cached += 1
             elif source.startswith("mirror"):
                 s.mirrored.append(f"{source.removeprefix('mirror ')}: {r.get('url', '')}")
-                if source.startswith("mirror url"):
+                if source.startswith(("mirror url", "mirror exclude-newer")):  # fetched from outside
                     s.upstream_bytes += r.get("bytes", 0)
             else:
                 s.upstream_bytes += r.get("bytes", 0)

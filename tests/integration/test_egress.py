@@ -182,6 +182,32 @@ def test_declared_mirrors_serve_uvs_installer_from_pypis_wheel_and_a_folder(egre
                                                               "folder https://huggingface.co/"]
 
 
+def test_exclude_newer_serves_pypi_as_it_was_to_uv_and_to_an_html_client(services_env):
+    """The ``exclude-newer`` mirror: uv in a real sandbox resolves ``six`` to the newest release uploaded before
+    2020-01-01 (1.13.0; 1.14.0 came on 2020-01-15), the wheel's metadata fetched from PyPI's file host; a client
+    that asks for HTML gets the same page as PEP 503 links; each page served is in the record, by name."""
+    from infra.sandbox.docker_backend import DockerBackend
+
+    proxy = EgressProxy(EGRESS_GATEWAY, EgressSettings(mirrors=(Mirror("uv"), Mirror("exclude-newer",
+                                                                                     source="2020-01-01"))))
+    box = DockerBackend(egress=proxy).start(BASE_IMAGE, {"agentrl.task": "tb/exclude-newer"}, network=True)
+    try:
+        r = box.exec("python3 -c \"import urllib.request; print(urllib.request.urlopen("
+                     "'https://astral.sh/uv/0.7.13/install.sh').read().decode())\" | sh && . $HOME/.local/bin/env && "
+                     "echo six > /tmp/r.in && uv pip compile --no-header --no-cache /tmp/r.in", timeout_s=300)
+        (page,) = fetch(box, "https://pypi.org/simple/six/")
+        (missing,) = fetch(box, "https://pypi.org/simple/no-such-project-agentrl-test/")
+        record = box.egress_record()["agent"]
+    finally:
+        box.close()
+        proxy.close()
+    assert r.exit_code == 0, r.output
+    assert "six==1.13.0" in r.output.splitlines()
+    assert page.startswith("200 b'<!DOCTYPE html>") and missing.startswith("404 ")
+    assert [m.split(": ")[0] for m in record["mirrored"]].count("exclude-newer 2020-01-01") == 3
+    assert "files.pythonhosted.org" in record["hosts"]
+
+
 def test_real_task_whose_tests_install_uv_from_astral_sh_validates_through_the_uv_mirror(egress_backend,
                                                                                        tiny_tokenizer):
     """csv-to-parquet, as authored: its run-tests.sh runs ``curl https://astral.sh/uv/0.7.13/install.sh | sh``

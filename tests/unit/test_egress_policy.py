@@ -145,3 +145,38 @@ def test_step_egress_totals_line_banner_and_episode_header():
     found = attention({"optimizer_step": True, "rows_with_signal": 1, "rows": 2, "outcomes": {}, "egress": totals})
     assert found == ["egress denied: 1 of 2 rows asked for a host their policy does not allow (agent or tests; see "
                      "the episodes' egress lines, tasks.egress.allow / agent_allow)"]
+
+
+def test_exclude_newer_keeps_only_files_uploaded_before_the_cutoff():
+    """uv's ``--exclude-newer`` on a PEP 691 page: files at or after the cutoff, or without ``upload-time``, go;
+    ``versions`` keeps those with a file left; HTML clients get the same files as PEP 503 links."""
+    from infra.egress.mirrors import page_before, page_html, parse_cutoff
+
+    def f(name, uploaded=None, **extra):
+        return {"filename": name, "url": f"https://files.pythonhosted.org/p/{name}", "hashes": {"sha256": "ab"},
+                **({"upload-time": uploaded} if uploaded else {}), **extra}
+
+    page = {"meta": {"api-version": "1.1"}, "name": "transformers", "versions": ["4.52.4", "5.0.0", "5.1.0"],
+            "files": [f("transformers-4.52.4-py3-none-any.whl", "2025-05-30T12:00:00.000001Z",
+                        **{"requires-python": ">=3.9", "core-metadata": {"sha256": "cd"}}),
+                      f("transformers-4.52.4.tar.gz", "2025-05-30T12:00:01Z"),
+                      f("transformers-5.0.0-py3-none-any.whl", "2025-07-01T00:00:00Z"),  # at the cutoff: out
+                      f("transformers-5.1.0.tar.gz")]}  # no upload time: out
+    kept = page_before(page, parse_cutoff("2025-07-01"))
+    assert [x["filename"] for x in kept["files"]] == ["transformers-4.52.4-py3-none-any.whl",
+                                                      "transformers-4.52.4.tar.gz"]
+    assert kept["versions"] == ["4.52.4"] and kept["name"] == "transformers" and len(page["files"]) == 4
+    assert parse_cutoff("2025-07-01T00:00:00Z") == parse_cutoff("2025-07-01")
+    html = page_html(kept).decode()
+    assert ('<a href="https://files.pythonhosted.org/p/transformers-4.52.4-py3-none-any.whl#sha256=ab" '
+            'data-requires-python="&gt;=3.9" data-core-metadata="sha256=cd" data-dist-info-metadata="sha256=cd">'
+            "transformers-4.52.4-py3-none-any.whl</a>") in html
+    assert "5.0.0" not in html
+    with pytest.raises(ValueError, match="expected an ISO 8601 date"):
+        parse_cutoff("last summer")
+    m = Mirror("exclude-newer", source="2025-07-01")
+    assert match_mirror("https://pypi.org/simple/transformers/", [m]) == (m, {"what": "project",
+                                                                            "project": "transformers"})
+    assert match_mirror("https://pypi.org/simple/", [m]) is None  # the root index is not filtered
+    assert match_mirror("https://files.pythonhosted.org/packages/x.whl", [m]) is None
+    assert m.name == "exclude-newer 2025-07-01"
