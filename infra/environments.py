@@ -37,7 +37,7 @@ from infra.egress.policy import record_lines
 from infra.layout import resolve_path
 from infra.sandbox.base import SandboxInfraError
 from infra.sandbox.docker_backend import DockerBackend
-from infra.task_faults import classify, strip_ansi, unreachable_hosts
+from infra.task_faults import classify, drifted_dependencies, strip_ansi, unreachable_hosts
 
 BASE_IMAGE = "agentrl-base:bookworm"
 
@@ -204,7 +204,8 @@ def validate_task(backend: DockerBackend, task: Task, image: str, reference_less
     if solved.outcome != Outcome.SUCCESS:
         hosts = unreachable_hosts(solved.log)
         needs = f"; unreachable host(s) {', '.join(hosts)}" if hosts else ""
-        return False, f"reference solution scored {solved.reward} ({solved.reason}){needs}: {solved.log[-500:]}"
+        drift = "".join(f"\nsolution dependency drift: {d}" for d in drifted_dependencies(solved.log))
+        return False, f"reference solution scored {solved.reward} ({solved.reason}){needs}: {solved.log[-500:]}{drift}"
     idle = run(False)
     if idle.outcome == Outcome.SUCCESS:
         return False, "a do-nothing agent passes (the tests check nothing the agent must do)"

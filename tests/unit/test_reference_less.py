@@ -136,3 +136,15 @@ def test_a_stored_catalog_of_before_reads_back():
     old = {"tasks": [{"task_id": "t/a", "split": "train", "image": "i", "image_digest": "d", "built": True,
                       "usable": True, "reason": "", "task_format": "terminal-bench", "validation": "passed"}]}
     assert Catalog.from_json(old).entries[0].validation == "passed"
+
+
+def test_an_aged_reference_solution_is_dependency_drift_however_long_the_test_output():
+    """matlab-python-conversion as it fails today: the drift line leads the solution's log, the verifier's
+    pytest output after it is far longer than the 500 characters the catalog's reason keeps."""
+    aged = Verdict(0.0, Outcome.MODEL_FAILURE, "tests_failed",
+                   "solution dependency drift: gnupg=2.2.40-1.1 (no longer served)\nsolution exit 1: ...\n"
+                   + "E   FileNotFoundError: [Errno 2] No such file or directory: 'I.mat'\n" * 40)
+    got, _, _ = _catalog([ScriptedTask(task_id="t/aged", instruction="x", solution="apt-get install gnupg=2.2.40-1.1",
+                                       solved=aged)])
+    e = got["t/aged"]
+    assert (e.usable, e.cause) == (False, "dependency_drift") and "gnupg=2.2.40-1.1" in e.fix
