@@ -188,6 +188,11 @@ class AsyncScheduler(_Strict):
     """Keep collecting between batches (while the trainer trains)."""
     max_policy_lag: int = Field(1, ge=0, le=1000)
     """A group whose oldest token is more policy versions old than this is dropped, never trained."""
+    max_mean_token_lag: float | None = Field(None, ge=0.0, le=1000.0)
+    """None: only ``max_policy_lag`` bounds staleness. A number: a group whose sampled tokens are on average
+    more versions old than this is dropped too; with ``update_policy = "pause"`` (episodes continue across
+    weight updates) and ``max_policy_lag`` above it, long episodes whose first turns are old still train
+    (``infra.rollout.scheduler.ReadyBank``)."""
     episode_deadline_s: float = Field(900.0, gt=0)
     """Wall-clock limit per attempt; past it the attempt is infra_failure/episode_deadline."""
     infra_policy: Literal["retry", "drop"] = "retry"

@@ -116,6 +116,7 @@ class Group:
     attempts: list[Attempt] = field(default_factory=list)
     completed_s: float = 0.0
     dropped: str = ""
+    _tokens_by_version: Counter | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> list[dict]:
@@ -132,6 +133,38 @@ class Group:
         """Oldest policy version that produced any token of the group's final rows (-1: none sampled)."""
         versions = [a.row["min_policy_version"] for a in self.final.values() if a.row["min_policy_version"] >= 0]
         return min(versions) if versions else -1
+
+    def tokens_by_version(self) -> Counter:
+        """Sampled tokens of the final rows per policy version (cached once the group is complete).
+
+        From each row's per-token ``policy_versions`` where ``loss_mask`` is 1 (``infra.store`` rows), or
+        its ``tokens_by_version`` (``{version: tokens}``, the simulator's rows); a row with neither counts
+        its ``min_policy_version`` once.
+        """
+        if self._tokens_by_version is not None:
+            return self._tokens_by_version
+        counts: Counter = Counter()
+        for row in self.final_rows():
+            if "tokens_by_version" in row:
+                counts.update({int(v): n for v, n in row["tokens_by_version"].items()})
+            elif "policy_versions" in row and "loss_mask" in row:
+                counts.update(v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
+            elif row.get("min_policy_version", -1) >= 0:
+                counts[row["min_policy_version"]] += 1
+        if self.complete:
+            self._tokens_by_version = counts
+        return counts
+
+    def mean_token_lag(self, current_version: int) -> float:
+        """Mean over the final rows' sampled tokens of the versions between each token's and ``current_version``.
+
+        The staleness the trainer's importance ratios see, token-weighted (0.0 if nothing was sampled);
+        with episodes that continue across weight updates (``update_policy = "pause"``) it is below the
+        lag of the oldest token (:attr:`min_policy_version`).
+        """
+        counts = self.tokens_by_version()
+        total = sum(counts.values())
+        return sum(n * (current_version - v) for v, n in counts.items()) / total if total else 0.0
 
     def final_rows(self) -> list[dict]:
         """The G final rows, by sample index."""
@@ -158,16 +191,29 @@ class Group:
 class ReadyBank:
     """Complete groups waiting for the trainer, in completion order.
 
-    A group is eligible while ``current_version - group.min_policy_version <= max_policy_lag``;
-    :meth:`take` and :meth:`take_with_signal` drop the ones past that bound (they are counted in
-    ``dropped_stale``).
+    A group is eligible while ``current_version - group.min_policy_version <= max_policy_lag`` and, when
+    ``max_mean_token_lag`` is set, its :meth:`Group.mean_token_lag` is at most that; :meth:`take` and
+    :meth:`take_with_signal` drop the ones past either bound (counted in ``dropped_stale``). Both lags only
+    grow as versions advance, so a group once past a bound never returns.
+
+    The second bound lets episodes that continue across weight updates (partial rollouts, as in AReaL,
+    Fu et al. 2025, and slime) train although their first turns are several versions old, while the
+    tokens on average stay within ``max_mean_token_lag``; the importance ratio, its truncation (TIS) and
+    the divergence rule correct and bound what remains.
     """
 
-    def __init__(self, max_policy_lag: int):
-        """Args: max_policy_lag: largest allowed lag in policy versions (>= 0)."""
+    def __init__(self, max_policy_lag: int, max_mean_token_lag: float | None = None):
+        """Create an empty bank.
+
+        Args:
+            max_policy_lag: largest allowed lag of the oldest token, in policy versions (>= 0).
+            max_mean_token_lag: largest allowed token-weighted mean lag (>= 0), or None: no such bound.
+        """
         if max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
-        self.max_policy_lag = max_policy_lag
+        if max_mean_token_lag is not None and max_mean_token_lag < 0:
+            raise ValueError(f"max_mean_token_lag must be >= 0 or None, got {max_mean_token_lag}")
+        self.max_policy_lag, self.max_mean_token_lag = max_policy_lag, max_mean_token_lag
         self._groups: list[Group] = []
         self.dropped_stale: list[Group] = []
 
@@ -184,9 +230,14 @@ class ReadyBank:
         """Policy lag of a group: versions between its oldest token and ``current_version`` (0 if none sampled)."""
         return 0 if group.min_policy_version < 0 else current_version - group.min_policy_version
 
+    def within(self, group: Group, current_version: int) -> bool:
+        """Whether ``group`` is within both lag bounds at ``current_version``."""
+        return self.lag(group, current_version) <= self.max_policy_lag and (
+            self.max_mean_token_lag is None or group.mean_token_lag(current_version) <= self.max_mean_token_lag)
+
     def expire(self, current_version: int) -> list[Group]:
-        """Remove and return the groups whose lag exceeds the bound."""
-        stale = [g for g in self._groups if self.lag(g, current_version) > self.max_policy_lag]
+        """Remove and return the groups past either lag bound."""
+        stale = [g for g in self._groups if not self.within(g, current_version)]
         if stale:
             self._groups = [g for g in self._groups if g not in stale]
             for g in stale:
@@ -200,7 +251,7 @@ class ReadyBank:
 
     def eligible_groups(self, current_version: int) -> list[Group]:
         """The banked groups within the lag bound, in completion order (left in the bank)."""
-        return [g for g in self._groups if self.lag(g, current_version) <= self.max_policy_lag]
+        return [g for g in self._groups if self.within(g, current_version)]
 
     def take(self, n: int, current_version: int, in_launch_order: bool = False) -> list[Group]:
         """Remove and return up to ``n`` eligible groups, first completed first.
@@ -302,7 +353,8 @@ class AsyncCollector:
                  update_policy: UpdatePolicy = "pause", in_launch_order: bool = False, prefetch: bool = True,
                  policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
                  first_launch_index: int = 0, retry_backoff_s: float = 0.0, keep_failed_members: bool = False,
-                 dynamic_sampling: bool = False, max_extra_groups: int = 0):
+                 dynamic_sampling: bool = False, max_extra_groups: int = 0,
+                 max_mean_token_lag: float | None = None):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -311,6 +363,8 @@ class AsyncCollector:
             max_groups_in_flight: K, groups launched and not yet complete (over-provisioning bound).
             max_concurrent_episodes: worker threads (episodes running at once).
             max_policy_lag: groups whose oldest token is more versions behind are never handed out.
+            max_mean_token_lag: nor those whose sampled tokens are on average more versions behind
+                (:class:`ReadyBank`); None: no such bound.
             episode_deadline_s: wall-clock limit per attempt; past it the attempt is infra_failure.
             infra_policy: ``retry`` the failed member or ``drop`` the group.
             max_infra_retries: retries per member under ``retry`` before the group is dropped.
@@ -347,7 +401,7 @@ class AsyncCollector:
         self.deadline_s, self.infra_policy, self.max_retries = episode_deadline_s, infra_policy, max_infra_retries
         self.update_policy, self.in_launch_order, self.prefetch = update_policy, in_launch_order, prefetch
         self.policy_version, self.seed, self.clock = policy_version, seed, clock
-        self.bank = ReadyBank(max_policy_lag)
+        self.bank = ReadyBank(max_policy_lag, max_mean_token_lag)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrent_episodes, thread_name_prefix="episode")
         self._events: queue.Queue = queue.Queue()
         self._pending: list[tuple[str, Any]] = []  # (group_id, task) not yet launched
@@ -404,7 +458,9 @@ class AsyncCollector:
         launch-to-finish), ``straggler_tail_s`` (from the moment 90% of the batch's episodes had
         finished to the last one), ``groups_carried_in`` (batch groups complete before the call),
         ``groups_in_bank`` (left for the next batch), ``dropped_stale``, ``dropped_infra``,
-        ``deadline_cancels``, ``infra_retries``, ``lag_hist_<k>`` (batch groups by policy lag).
+        ``deadline_cancels``, ``infra_retries``, ``lag_hist_<k>`` (batch groups by policy lag),
+        ``sample_lag_mean`` and ``sample_lag_max`` (versions behind of the batch's sampled tokens,
+        token-weighted mean and max).
         ``on_progress(ready, n)`` is called (without the scheduler's lock) when the count of ready
         groups changes.
 
@@ -798,4 +854,11 @@ class AsyncCollector:
             m[key] = self.counters[key] - counters0[key]
         for lag, n in sorted(lags.items()):
             m[f"lag_hist_{lag}"] = n
+        tokens: Counter = Counter()
+        for g in groups:
+            tokens.update(g.tokens_by_version())
+        total = sum(tokens.values())
+        m["sample_lag_mean"] = (sum(n * (self.policy_version - v) for v, n in tokens.items()) / total
+                                if total else 0.0)
+        m["sample_lag_max"] = max((self.policy_version - v for v in tokens), default=0)
         return m

@@ -23,6 +23,7 @@ import math
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from infra.rollout.router import Router
@@ -207,6 +208,8 @@ class SimRunner:
         return {"group_id": job.group_id, "sample_index": job.sample_index, "attempt": job.attempt,
                 "outcome": "success", "reason": "simulated", "min_policy_version": min(versions),
                 "max_policy_version": max(versions), "num_turns": turns, "completion_tokens": sum(tokens),
+                "tokens_by_version": dict(sum((Counter({v: n}) for v, n in zip(versions, tokens, strict=True)),
+                                              Counter())),
                 "sandbox_acquire_s": acquire_s, "sandbox_warm": warm, "generation_s": generation_s,
                 "tool_s": tool_s, "wall_s": (time.monotonic() - start) / self.scale}
 

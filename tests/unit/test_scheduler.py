@@ -108,6 +108,49 @@ def test_lag_bound_drops_stale_groups_and_histograms_the_rest():
         bank.put(Group("x", None, 0, 2, 0.0))
 
 
+def test_mean_token_lag_bound_keeps_long_episodes_whose_tokens_are_mostly_recent():
+    """Partial rollouts: an episode begun 3 versions ago whose tokens are mostly recent trains under a mean
+    bound of 1 (its oldest token is past ``max_policy_lag = 1``, which alone would drop it); one whose
+    tokens are mostly old does not. Rows count tokens as the store's (``policy_versions`` where
+    ``loss_mask``) or as the simulator's (``tokens_by_version``)."""
+    def group(gid: str, oldest: int, row: dict) -> Group:
+        g = Group(gid, None, 0, 1, 0.0)
+        g.final[0] = Attempt({"min_policy_version": oldest, **row}, 0.0, 0.0)
+        return g
+
+    long_recent = group("long", 0, {"tokens_by_version": {0: 100, 2: 300, 3: 600}})  # mean lag 0.6, oldest 3
+    long_old = group("old", 1, {"tokens_by_version": {1: 900, 3: 100}})  # mean lag 1.8, oldest 2
+    fresh = group("fresh", 3, {"tokens_by_version": {3: 10}})
+    stored = group("stored", 2, {"policy_versions": [-1, 2, 2, 3], "loss_mask": [0, 1, 1, 1]})  # prompt: not sampled
+    assert long_recent.mean_token_lag(3) == pytest.approx(0.6) and long_old.mean_token_lag(3) == pytest.approx(1.8)
+    assert stored.mean_token_lag(3) == pytest.approx(2 / 3)
+    bank = ReadyBank(max_policy_lag=3, max_mean_token_lag=1.0)
+    for g in (long_recent, long_old, fresh, stored):
+        bank.put(g)
+    assert [g.group_id for g in bank.take(4, current_version=3)] == ["long", "fresh", "stored"]
+    assert [g.group_id for g in bank.dropped_stale] == ["old"]
+    only_oldest = ReadyBank(max_policy_lag=1)  # the old rule: the oldest token decides
+    for g in (long_recent, fresh):
+        only_oldest.put(g)
+    assert [g.group_id for g in only_oldest.take(2, current_version=3)] == ["fresh"]
+    with pytest.raises(ValueError, match="max_mean_token_lag"):
+        ReadyBank(1, -0.5)
+
+
+def test_a_batch_reports_its_tokens_mean_and_max_lag():
+    c, _ = _collector(max_policy_lag=2, max_mean_token_lag=1.0)
+    try:
+        c.submit([("a", {"seconds": 0.05})])
+        time.sleep(0.3)  # complete at version 0
+        c.update_weights(lambda: None, 1)
+        c.submit([("b", {"seconds": 0.05})])
+        batch = c.next_batch(2, timeout_s=10)
+        assert sorted(g.group_id for g in batch.groups) == ["a", "b"]
+        assert batch.metrics["sample_lag_mean"] == pytest.approx(0.5) and batch.metrics["sample_lag_max"] == 1
+    finally:
+        c.close()
+
+
 def test_collector_never_hands_out_groups_beyond_the_lag_bound():
     c, _ = _collector(max_policy_lag=1)
     try:
