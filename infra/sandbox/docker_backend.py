@@ -309,6 +309,11 @@ class DockerBackend:
         ids = "".join(sorted(self._image_id(image) for image in _from_images(mapped_text) if image in local))
         if ids:
             digest = hashlib.sha256(f"{digest}{ids}".encode()).hexdigest()
+        # an exclude-newer mirror changes what the build's package installs resolve to: part of the tag
+        dated = "".join(sorted(m.name for m in self.egress.settings.mirrors if m.kind == "exclude-newer")
+                        ) if network and self.egress is not None else ""
+        if dated:
+            digest = hashlib.sha256(f"{digest}{dated}".encode()).hexdigest()
         tag = f"agentrl-task-{name.replace('/', '-').lower()}:{digest[:16]}"
         note = "".join(f"base image {n}\n" for n in supplied.values())
         note += "".join(f"base image {k} -> {v} ("

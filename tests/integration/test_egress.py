@@ -182,7 +182,7 @@ def test_declared_mirrors_serve_uvs_installer_from_pypis_wheel_and_a_folder(egre
                                                               "folder https://huggingface.co/"]
 
 
-def test_exclude_newer_serves_pypi_as_it_was_to_uv_and_to_an_html_client(services_env):
+def test_exclude_newer_serves_pypi_as_it_was_to_uv_and_to_an_html_client(services_env, tmp_path):
     """The ``exclude-newer`` mirror: uv in a real sandbox resolves ``six`` to the newest release uploaded before
     2020-01-01 (1.13.0; 1.14.0 came on 2020-01-15), the wheel's metadata fetched from PyPI's file host; a client
     that asks for HTML gets the same page as PEP 503 links; each page served is in the record, by name."""
@@ -190,8 +190,13 @@ def test_exclude_newer_serves_pypi_as_it_was_to_uv_and_to_an_html_client(service
 
     proxy = EgressProxy(EGRESS_GATEWAY, EgressSettings(mirrors=(Mirror("uv"), Mirror("exclude-newer",
                                                                                      source="2020-01-01"))))
-    box = DockerBackend(egress=proxy).start(BASE_IMAGE, {"agentrl.task": "tb/exclude-newer"}, network=True)
+    backend = DockerBackend(egress=proxy)
+    box = backend.start(BASE_IMAGE, {"agentrl.task": "tb/exclude-newer"}, network=True)
+    (tmp_path / "Dockerfile").write_text(f"FROM {BASE_IMAGE}\nRUN true\n")
     try:
+        # what a build's installs resolve to depends on the cutoff: an image built under it is not reused without
+        dated, _, _ = backend.build_image("tb/exclude-newer", tmp_path)
+        plain, _, _ = DockerBackend().build_image("tb/exclude-newer", tmp_path)
         r = box.exec("python3 -c \"import urllib.request; print(urllib.request.urlopen("
                      "'https://astral.sh/uv/0.7.13/install.sh').read().decode())\" | sh && . $HOME/.local/bin/env && "
                      "echo six > /tmp/r.in && uv pip compile --no-header --no-cache /tmp/r.in", timeout_s=300)
@@ -201,6 +206,9 @@ def test_exclude_newer_serves_pypi_as_it_was_to_uv_and_to_an_html_client(service
     finally:
         box.close()
         proxy.close()
+    for image in backend.client.images.list(name="agentrl-task-tb-exclude-newer"):
+        backend.client.images.remove(image.id, force=True)
+    assert dated != plain
     assert r.exit_code == 0, r.output
     assert "six==1.13.0" in r.output.splitlines()
     assert page.startswith("200 b'<!DOCTYPE html>") and missing.startswith("404 ")
