@@ -22,7 +22,10 @@ an agent command in that session:
    (a ``wait-for -S`` signal to nobody is lost). Channels are per command, so a late release from an
    earlier command never wakes a later one.
 4. At the deadline it types ``C-c`` (as an interactive user would), then checks the shell is back at
-   its prompt (a probe line releasing ``agentrl-<n>-ready``, typed again every 2 s, within 12 s). A shell that is not (a
+   its prompt (a probe line releasing ``agentrl-<n>-ready-<i>``, typed again every 2 s, within 12 s).
+   Each probe has its own channel: a probe line swallowed by a program still reading the terminal
+   never releases its lock, and a waiter killed by ``timeout`` stays queued on its channel in tmux,
+   so a shared channel would hand every later release to a dead waiter. A shell that is not back (a
    program ignoring SIGINT, a REPL the command ``exec``'d into) has its session killed; the next
    command gets a new one.
 
@@ -79,11 +82,11 @@ if [ -f "$n.rc" ]; then r="done $(cat "$n.rc")"
 elif [ -f "$n.exit" ]; then r="exited $(cat "$n.exit")"
 elif [ "$waited" = 124 ]; then
   tmux send-keys -t "$p" C-c
-  tmux wait-for -L "agentrl-$n-ready"
   r=stuck; i=0
   while [ "$i" -lt @PROBE@ ]; do
-    type_line " tmux wait-for -U agentrl-$n-ready"
-    if timeout @PROBE_EVERY@ tmux wait-for -L "agentrl-$n-ready"; then r=timeout; break; fi
+    tmux wait-for -L "agentrl-$n-ready-$i"
+    type_line " tmux wait-for -U agentrl-$n-ready-$i"
+    if timeout @PROBE_EVERY@ tmux wait-for -L "agentrl-$n-ready-$i"; then r=timeout; break; fi
     i=$((i + @PROBE_EVERY@))
   done
   [ "$r" = stuck ] && tmux kill-session -t "$s" 2>/dev/null

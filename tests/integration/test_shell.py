@@ -68,6 +68,15 @@ def test_reading_stdin_waits_until_the_deadline(box):
     assert run(box, "echo ok") == "ok\n"
 
 
+def test_a_probe_line_swallowed_after_ctrl_c_does_not_close_the_shell(box):
+    # A program that reads one more line from the terminal after Ctrl-C takes the first probe line as
+    # its input (as `read` can when the shell is slow to handle SIGINT); the next probe must still answer.
+    run(box, "export KEEP=1")
+    r = box.run_in_shell("sh -c 'trap \"read -r eaten; exit 0\" INT; sleep 60'", 1)
+    assert r.timed_out and "was closed" not in r.output
+    assert run(box, "echo \"[$KEEP]\"") == "[1]\n"
+
+
 def test_a_command_ignoring_ctrl_c_gets_a_new_shell_next_time(box):
     run(box, "export KEEP=1")
     r = box.run_in_shell("trap '' INT; sleep 60", 1)
