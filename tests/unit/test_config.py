@@ -119,7 +119,7 @@ def _error(tmp_path, text: str) -> str:
 def test_unknown_key_in_a_kind_lists_that_kinds_keys(tmp_path):
     assert _error(tmp_path, '[engine]\nkind = "servers"\ncont = 2\n') == (
         "bad.toml: unknown key 'engine.cont'; did you mean 'count'? "
-        'expected one of (engine, kind = "servers"): count, kind, routing, threads')
+        'expected one of (engine, kind = "servers"): advertise, count, host, kind, routing, threads')
     assert _error(tmp_path, '[engine]\nkind = "inproc"\ncount = 2\n') == (
         "bad.toml: unknown key 'engine.count'; 'count' is a key of kind 'servers'; "
         'expected one of (engine, kind = "inproc"): kind, threads')

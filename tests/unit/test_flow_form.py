@@ -32,7 +32,8 @@ def test_each_backend_union_is_a_choice_with_its_default(schema):
     assert names == ["SyncScheduler", "AsyncScheduler"] and default["kind"] == "async"
     servers = schema["definitions"]["ServersEngine"]["properties"]
     assert servers["kind"]["const"] == "servers" and servers["count"]["default"] == 2
-    assert set(servers) == {"kind", "count", "threads", "routing"}  # a choice shows only its own fields
+    # a choice shows only its own fields
+    assert set(servers) == {"kind", "count", "threads", "routing", "host", "advertise"}
 
 
 def test_the_forms_values_validate_back_into_the_same_config(schema):

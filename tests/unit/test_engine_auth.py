@@ -1,0 +1,48 @@
+"""The engines' bearer token: every route but /health refused without it; servers beyond loopback need one."""
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from infra.rollout.engine_auth import TOKEN_ENV, EngineTokenMiddleware
+from infra.rollout.servers import VLLMServer
+
+
+def _app(monkeypatch, token="s3cret"):
+    monkeypatch.setenv(TOKEN_ENV, token)
+
+    def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route(p, ok, methods=["GET", "POST"]) for p in
+                            ("/health", "/collective_rpc", "/v1/completions", "/reset_prefix_cache")])
+    app.add_middleware(EngineTokenMiddleware)  # as vLLM's --middleware adds it
+    return TestClient(app)
+
+
+def test_control_and_inference_routes_need_the_token(monkeypatch):
+    client = _app(monkeypatch)
+    for path in ("/collective_rpc", "/v1/completions", "/reset_prefix_cache"):
+        assert client.post(path).status_code == 401, path  # vLLM's --api-key leaves /collective_rpc open
+        assert client.post(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.post(path, headers={"Authorization": "Basic s3cret"}).status_code == 401
+        assert client.post(path, headers={"Authorization": "Bearer s3cret"}).text == "ok"
+    assert client.get("/health").text == "ok"  # readiness probes stay open
+
+
+def test_a_server_without_a_token_refuses_to_start(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="AGENTRL_ENGINE_TOKEN is not set"):
+        EngineTokenMiddleware(lambda *a: None)
+
+
+def test_binding_beyond_loopback_needs_a_token_and_a_wildcard_an_advertised_address(tmp_path):
+    with pytest.raises(ValueError, match="beyond loopback needs a token"):
+        VLLMServer("m", 8000, tmp_path / "log", host="10.0.0.2")
+    with pytest.raises(ValueError, match="advertise"):
+        VLLMServer("m", 8000, tmp_path / "log", host="0.0.0.0", token="t")
+    assert VLLMServer("m", 8000, tmp_path / "log", host="0.0.0.0", advertise="10.0.0.2", token="t").url == \
+        "http://10.0.0.2:8000"
+    assert VLLMServer("m", 8000, tmp_path / "log").url == "http://127.0.0.1:8000"  # loopback: a token is optional
