@@ -1,0 +1,76 @@
+"""Linux network namespaces as test machines: one bridge on a private subnet, one namespace per node.
+
+The host end of the bridge is ``{SUBNET}.1``; node ``i`` (from 0) is ``{SUBNET}.{i + 2}`` in its own
+namespace with its own loopback. Traffic stays on the bridge (no route to anything else is added), and
+everything is removed on exit, processes left in a namespace included.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+SUBNET = "10.231.7"  # /24, private, created and removed by the test
+
+
+@dataclass(frozen=True)
+class Node:
+    """One namespace: its name, its address on the bridge, and the prefix that runs a command in it."""
+
+    netns: str
+    address: str
+
+    @property
+    def launcher(self) -> tuple[str, ...]:
+        """``ip netns exec <netns>``: prepend to a command to run it on this node."""
+        return ("ip", "netns", "exec", self.netns)
+
+    def pids(self) -> list[int]:
+        """Processes running in this namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextmanager
+def nodes(count: int):
+    """Create ``count`` namespaced nodes on a fresh bridge; yields their :class:`Node` s; removes it all.
+
+    Raises:
+        RuntimeError: the subnet is already routed on this machine (another test's bridge, or a real network).
+    """
+    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+    if f"{SUBNET}." in routes:
+        raise RuntimeError(f"{SUBNET}.0/24 is already routed here; remove it or change tests.integration.netns.SUBNET")
+    tag = uuid.uuid4().hex[:6]
+    bridge, made = f"art{tag}", []
+    firewall = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]  # Docker's FORWARD policy drops bridged traffic
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        subprocess.run(["iptables", "-I", *firewall], capture_output=True)
+        for i in range(count):
+            node = Node(f"agentrl-{tag}-{i}", f"{SUBNET}.{i + 2}")
+            host_end, node_end = f"vh{tag}{i}", f"vn{tag}{i}"
+            _ip("netns", "add", node.netns)
+            made.append(node)
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            _ip("link", "set", node_end, "netns", node.netns)
+            _ip("link", "set", host_end, "master", bridge, "up")
+            _ip("-n", node.netns, "addr", "add", f"{node.address}/24", "dev", node_end)
+            _ip("-n", node.netns, "link", "set", node_end, "up")
+            _ip("-n", node.netns, "link", "set", "lo", "up")
+        yield made
+    finally:
+        for node in made:
+            for pid in node.pids():
+                subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+            subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)  # its veth goes with it
+        subprocess.run(["iptables", "-D", *firewall], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
