@@ -154,11 +154,6 @@ class TaskSetConfig(_Strict):
     """CPU limit of a sandbox whose task sets none; 0: no limit, as the upstream harnesses."""
     default_memory_mb: int = Field(0, ge=0)
     """Memory limit (MiB) of a sandbox whose task sets none; 0: no limit, as the upstream harnesses."""
-    sandbox_cpu_shares: int | None = Field(None, ge=2, le=262144)
-    """CPU weight of all sandboxes together against each busy process of the run (1024 = equal; e.g. 128:
-    an engine thread gets ~8/9 of a core both want): sandboxes start under one parent cgroup of that
-    weight (``infra.sandbox.cpu_weight``); a weight, not a limit. None: Docker's default. Needs the
-    Docker engine's cgroups on this machine (root)."""
     extra_ca_bundle: str = ""
     """PEM file of extra CA certificates (a TLS-intercepting proxy's) trusted inside local base images and
     so in builds and sandboxes; empty: ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when set, else none."""

@@ -193,8 +193,7 @@ class Run:
                 mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
                 nano_cpus=int(t.default_cpus * 1e9) or None,
                 ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress,
-                agent_mounts=harness.mounts() if installed else None, agent_channel=installed,
-                sandbox_cpu_shares=t.sandbox_cpu_shares)
+                agent_mounts=harness.mounts() if installed else None, agent_channel=installed)
             reaped = self._backend.reap_orphans()
             if reaped:
                 log.warning("removed %d sandbox containers left by crashed runs", reaped)

@@ -223,7 +223,7 @@ class DockerBackend:
                  nano_cpus: int | None = None, pids_limit: int = 1024, tmp_size_mb: int = 256,
                  disk_mb: int = 1024, state_dir: Path | None = None, ca_bundle: Path | None = None,
                  egress: EgressProxy | None = None, agent_mounts: dict[str, str] | None = None,
-                 agent_channel: bool = False, sandbox_cpu_shares: int | None = None):
+                 agent_channel: bool = False):
         """Connect to the engine (``DOCKER_HOST`` or the default socket).
 
         ``agent_mounts`` (host folder -> container path) are mounted read-only into every sandbox (an
@@ -238,10 +238,6 @@ class DockerBackend:
 
         ``mem_limit`` (``"2g"``) and ``nano_cpus`` are the limits of sandboxes whose task sets none
         (None: no limit, as the Terminal-Bench and Harbor harnesses); ``pids_limit`` always applies.
-        ``sandbox_cpu_shares``: every sandbox starts under one parent cgroup of that weight (1024 = one busy
-        process of this machine, e.g. the engine's thread; ``infra.sandbox.cpu_weight``), so that its
-        commands yield the cores to the run's own processes when both want them; None: Docker's default
-        parent. A multi-service task's agent service only.
         ``state_dir`` (default ``infra.services.state_path()``) caches local base images;
         ``ca_bundle`` (default ``$PIP_CERT`` or ``$SSL_CERT_FILE`` when the file exists) is the extra
         CAs they trust (``infra.base_images``).
@@ -264,13 +260,6 @@ class DockerBackend:
         except (docker.errors.DockerException, requests.exceptions.RequestException):
             self.disk_quota = False
         self._leftovers: set[str] = set()  # containers whose removal failed (engine down): swept later
-        self.cgroup_parent = None
-        if sandbox_cpu_shares is not None:
-            from infra.sandbox.cpu_weight import sandbox_parent
-
-            info = self.client.info()
-            self.cgroup_parent = sandbox_parent(sandbox_cpu_shares, info.get("CgroupDriver", ""),
-                                                str(info.get("CgroupVersion", "1")))
         if state_dir is None:
             from infra.services import state_path
 
@@ -544,8 +533,6 @@ class DockerBackend:
             main.update(mem_limit=mem, memswap_limit=mem)
         if cpus or self.nano_cpus:
             main["cpus"] = cpus or self.nano_cpus / 1e9
-        if self.cgroup_parent:
-            main["cgroup_parent"] = self.cgroup_parent
         all_labels = {LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}
         sessions: dict[str, Session] = {}
         egress_env: dict[str, str] = {}
@@ -639,7 +626,7 @@ class DockerBackend:
                 mem_limit=mem, memswap_limit=mem,
                 nano_cpus=int(cpus * 1e9) if cpus else self.nano_cpus or None,
                 pids_limit=self.pids_limit, cap_drop=["ALL"], cap_add=list(AGENT_CAPABILITIES),
-                security_opt=["no-new-privileges"], cgroup_parent=self.cgroup_parent,
+                security_opt=["no-new-privileges"],
                 tmpfs=self._tmpfs(),
                 storage_opt={"size": f"{disk_mb or self.disk_mb}m"} if self.disk_quota else None,
                 labels={LABEL: "1", OWNER_LABEL: owner_id(), START_LABEL: start_id, **labels}, volumes=volumes,

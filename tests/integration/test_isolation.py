@@ -394,27 +394,3 @@ def test_engine_restart_during_starts_leaves_no_container(backend):
     assert failures, "no start hit the restart"
     assert not [f for f in failures if f.startswith("unexpected")], failures
     assert left == [], [(c.short_id, c.status) for c in left]
-
-
-def test_sandboxes_start_under_one_weighted_parent_cgroup(services_env):
-    """``tasks.sandbox_cpu_shares``: the sandbox's processes run in a child of one parent cgroup of that weight."""
-    from infra.sandbox.cpu_weight import PARENT, shares_to_weight
-    from infra.sandbox.docker_backend import DockerBackend
-
-    weighted = DockerBackend(sandbox_cpu_shares=128)
-    info = weighted.client.info()
-    if info.get("CgroupDriver") != "cgroupfs":
-        pytest.skip(f"the engine's cgroup driver is {info.get('CgroupDriver')}, not cgroupfs")
-    box = weighted.start(BASE_IMAGE, {"agentrl.test": "isolation"})
-    try:
-        box._container.reload()
-        assert box._container.attrs["HostConfig"]["CgroupParent"] == f"/{PARENT}"
-        if str(info.get("CgroupVersion")) == "2":
-            parent, weight = Path("/sys/fs/cgroup") / PARENT, ("cpu.weight", str(shares_to_weight(128)))
-        else:
-            parent, weight = Path("/sys/fs/cgroup/cpu") / PARENT, ("cpu.shares", "128")
-        assert (parent / weight[0]).read_text().strip() == weight[1]
-        host_pid = str(box._container.attrs["State"]["Pid"])  # the container's init, as the host numbers it
-        assert host_pid in (parent / box._container.id / "cgroup.procs").read_text().split()
-    finally:
-        box.close()
