@@ -15,7 +15,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.naming import flow_run_name, tagged
-from infra.config import RunConfig, ServersEngine
+from infra.config import RemoteEngine, RunConfig, ServersEngine
 from infra.config_record import claim as claim_config
 from infra.run import Run
 from tasks.build_envs import task_image_assets
@@ -49,10 +49,10 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         outcomes, reward mean, ...; with Ray also ``fan_out`` and ``worker_pids``).
 
     Raises:
-        ValueError: ``fan_out="ray"`` with an engine other than ``ServersEngine``.
+        ValueError: ``fan_out="ray"`` with an in-process engine (``engine.kind = "inproc"``).
     """
-    if fan_out == "ray" and not isinstance(config.engine, ServersEngine):
-        raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\", not "
+    if fan_out == "ray" and not isinstance(config.engine, ServersEngine | RemoteEngine):
+        raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\" or \"remote\", not "
                          f"{config.engine.kind!r} (Ray workers reach the engines over HTTP; an in-process engine "
                          "cannot be shared)")
     with tagged(config), Run.open(config) as run:
@@ -70,13 +70,19 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
 
 
 def _collect_on_ray(run: Run, task_ids: list[str], step: int, deps: list[str], ray_address: str) -> dict:
+    from infra.rollout.engine_auth import TOKEN_ENV
     from infra.rollout.servers import RemoteServer
     from tasks.fanout import collect_groups, ray_task_runner
     from tasks.lineage import as_asset
     from tasks.rollouts import store_step
 
-    servers = [vars(RemoteServer.of(s)) for s in run.engine.servers.values()]  # starts them on first use
-    fan = collect_groups.with_options(task_runner=ray_task_runner(ray_address))
+    handles = [RemoteServer.of(s) if not isinstance(s, RemoteServer) else s
+               for s in run.engine.servers.values()]  # starts them on first use
+    # The token reaches the workers in their environment, not as a parameter (Prefect stores those)
+    token = next((h.token for h in handles if h.token), None)  # one per run: every server has it
+    servers = [{**vars(h), "token": None} for h in handles]
+    runner = ray_task_runner(ray_address, env={TOKEN_ENV: token} if token else None)
+    fan = collect_groups.with_options(task_runner=runner)
     gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step,
                    run.catalog.images())
     store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)

@@ -98,6 +98,28 @@ def fetch(fs, uri: str, local_dir: Path) -> dict:
     return manifest
 
 
+def presigned_urls(fs, uri: str, files: dict[str, dict], endpoint: str = "", expires_s: int = 3600) -> dict[str, str]:
+    """S3 presigned GET URLs of a checkpoint's files, so a machine without S3 keys can fetch them.
+
+    Args:
+        fs: the run's s3fs filesystem (its keys sign).
+        uri: the checkpoint folder (``bucket/.../checkpoints/vN``).
+        files: the manifest's ``files`` (names are what is signed).
+        endpoint: the S3 endpoint as the fetching machines reach it (empty: ``fs``'s own).
+        expires_s: how long each URL stays valid, in s.
+
+    Returns:
+        ``{file name: URL}``. Each URL carries a signature: treat it as a credential until it expires.
+    """
+    signer = fs
+    if endpoint:
+        import s3fs
+
+        signer = s3fs.S3FileSystem(key=fs.key, secret=fs.secret, client_kwargs={"endpoint_url": endpoint},
+                                   skip_instance_cache=True)
+    return {name: signer.sign(f"{uri}/{name}", expiration=expires_s) for name in files}
+
+
 def published_versions(fs, layout: RunLayout) -> list[int]:
     """Versions of the run that have a complete manifest, ascending."""
     fs.invalidate_cache()

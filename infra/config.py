@@ -405,7 +405,31 @@ class ServersEngine(_Strict):
         return self
 
 
-EngineConfig = Annotated[InprocEngine | ServersEngine, Field(discriminator="kind", json_schema_extra=_any_of)]
+class RemoteEngine(_Strict):
+    """vLLM OpenAI servers started elsewhere, reached by URL behind the same router as ``servers``.
+
+    Each is started on its machine with ``python -m infra.rollout.servers`` and the run's token.
+    """
+
+    kind: Literal["remote"] = "remote"
+    """``remote``: vLLM OpenAI servers started elsewhere (``python -m infra.rollout.servers``), reached by URL."""
+    urls: list[str] = Field(default_factory=list, min_length=1, max_length=64)
+    """Each server's base URL (``http://10.0.0.7:8000``)."""
+    token_env: str = "AGENTRL_ENGINE_TOKEN"
+    """Environment variable holding the servers' bearer token (the one they were started with)."""
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    """As ``servers``' ``routing``."""
+
+    @model_validator(mode="after")
+    def _check_urls(self):
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^/\s]+", url.rstrip("/")):
+                raise ValueError(f"engine.urls: {url!r} is not a server's base URL (expected http://host:port)")
+        return self
+
+
+EngineConfig = Annotated[InprocEngine | ServersEngine | RemoteEngine,
+                         Field(discriminator="kind", json_schema_extra=_any_of)]
 """``engine``: the rollout engine (also evaluation's), chosen by ``kind``."""
 
 
@@ -498,6 +522,9 @@ class StoragePublish(_Strict):
 
     kind: Literal["storage"] = "storage"
     """``storage``: the engine loads the S3 checkpoint after it is uploaded (manifest last) and verified."""
+    endpoint: str = ""
+    """The S3 endpoint as vLLM servers (``engine.kind`` ``servers`` or ``remote``) reach it: each server fetches
+    the checkpoint itself, from presigned URLs on this endpoint, and verifies it; empty: ``$AGENTRL_S3_ENDPOINT``."""
 
 
 class DirectPublish(_Strict):

@@ -15,6 +15,7 @@ import atexit
 import json
 import logging
 import math
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import assert_never
 
 from envs.task import Task
-from infra.config import AsyncScheduler, InprocEngine, RunConfig, ServersEngine
+from infra.config import AsyncScheduler, InprocEngine, RemoteEngine, RunConfig, ServersEngine
 from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
 from infra.layout import RunLayout, resolve_path
 from infra.lineage import ModelAsset
@@ -103,8 +104,45 @@ class Run:
         return pause
 
     def serve_folder(self, policy: Policy) -> float:
-        """Serve ``policy`` from its local HF folder (:meth:`serve` with the engine's ``load_weights``)."""
+        """Serve ``policy`` from its local HF folder (:meth:`serve` with the engine's ``load_weights``).
+
+        Remote servers (``engine.kind = "remote"``) cannot read this machine's folders: they fetch the
+        run's published checkpoint of that version from S3 instead (:meth:`stage_published`).
+
+        Raises:
+            CheckpointError: remote servers, and ``policy`` is not a published checkpoint (the base model).
+        """
+        if isinstance(self.config.engine, RemoteEngine):
+            if policy.version == 0:
+                from infra.checkpoint import CheckpointError
+
+                raise CheckpointError(f"run {self.config.run_id}: remote servers cannot load the base model from "
+                                      "this machine; they serve it when started from model.path")
+            _, apply = self.stage_published(self.layout.checkpoint(policy.version))
+            return self.serve(Policy(policy.version, ""), apply)
         return self.serve(policy, lambda: self.engine.load_weights(policy.weights_dir, policy.version))
+
+    def stage_published(self, uri: str) -> tuple[float, Callable[[], float]]:
+        """Have the engine's servers fetch checkpoint ``uri`` from S3 themselves and verify it, while serving.
+
+        Each server gets presigned GET URLs (on ``publish.endpoint`` when set, the S3 endpoint as the
+        servers reach it), so no shared filesystem and no S3 keys are needed on the engine machines.
+
+        Returns:
+            ``(transfer_s, apply)``: the seconds the fetch took, and a callable that drains, applies the
+            staged version on every live server and returns the apply pause (for :meth:`serve`).
+
+        Raises:
+            CheckpointError: no complete manifest, or a server could not fetch or verify a file (nothing applied).
+        """
+        from infra.checkpoint import presigned_urls, read_manifest
+
+        manifest = read_manifest(self.fs, uri)
+        version, files = int(manifest["version"]), manifest["files"]
+        endpoint = getattr(self.config.publish, "endpoint", "")
+        urls = presigned_urls(self.fs, uri, files, endpoint=endpoint)
+        transfer_s = self.engine.stage_direct(uri, files, version, urls=urls)
+        return transfer_s, lambda: self.engine.apply_staged(version)
 
     def serve_published(self, version: int | None = None) -> Policy:
         """Serve checkpoint ``version`` of the run (default: the newest; ``model.path`` when none is published).
@@ -241,6 +279,17 @@ class Run:
                                             advertise=e.advertise or None)
                     self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
                                                 e.routing, policy_version=self._policy.version, owns_servers=True)
+                case RemoteEngine() as e:
+                    from transformers import AutoTokenizer
+
+                    from infra.rollout.servers import ServerEngine, connect_remote
+
+                    handles = connect_remote(e.urls, os.environ.get(e.token_env, ""), dtype, e.token_env)
+                    self._engine = ServerEngine(handles, AutoTokenizer.from_pretrained(self._policy.weights_dir),
+                                                e.routing, policy_version=0)
+                    if self._policy.version:  # a resumed run: the servers started from model.path
+                        _, apply = self.stage_published(self.layout.checkpoint(self._policy.version))
+                        apply()
                 case InprocEngine() as e:
                     from infra.rollout.engine import VLLMEngine
 

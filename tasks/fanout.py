@@ -19,6 +19,7 @@ from envs.task import Task
 from infra.config import RunConfig
 from infra.environments import BASE_IMAGE
 from infra.rollout.collector import Collector, CollectSettings
+from infra.rollout.engine_auth import TOKEN_ENV
 from tasks.naming import stage_run_name
 
 
@@ -27,8 +28,8 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
                   step: int, images: dict[str, tuple[str, str]]) -> dict:
     """One group on a fan-out worker: ``{"rows": its rows (retries included, as Collector.collect), "pid"}``.
 
-    ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines;
-    ``config.engine`` is a ``ServersEngine`` (its ``routing`` applies).
+    ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines, their
+    token in ``$AGENTRL_ENGINE_TOKEN``; ``config.engine`` is ``servers`` or ``remote`` (its ``routing`` applies).
     """
     from transformers import AutoTokenizer
 
@@ -36,7 +37,8 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     from infra.sandbox.docker_backend import DockerBackend
 
     r = config.rollout
-    handles = [RemoteServer(**s) for s in servers]
+    token = os.environ.get(TOKEN_ENV)  # set by ray_task_runner(env=...): a token is never a task parameter
+    handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
                           policy_version=policy_version)
     try:
@@ -63,11 +65,15 @@ def collect_groups(config: RunConfig, servers: list[dict], policy_version: int, 
             "worker_pids": [p["pid"] for p in parts]}
 
 
-def ray_task_runner(address: str = ""):
-    """A ``RayTaskRunner``: on the cluster at ``address``, or a local Ray instance (no dashboard, small store)."""
+def ray_task_runner(address: str = "", env: dict[str, str] | None = None):
+    """A ``RayTaskRunner``: on the cluster at ``address``, or a local Ray instance (no dashboard, small store).
+
+    ``env``: environment variables of every worker (Ray's ``runtime_env``), e.g. the engines' token.
+    """
     from prefect_ray import RayTaskRunner
 
+    runtime = {"runtime_env": {"env_vars": dict(env)}} if env else {}
     if address:
-        return RayTaskRunner(address=address)
+        return RayTaskRunner(address=address, init_kwargs=runtime)
     return RayTaskRunner(init_kwargs={"include_dashboard": False, "object_store_memory": 256 * 1024**2,
-                                      "log_to_driver": False})
+                                      "log_to_driver": False, **runtime})

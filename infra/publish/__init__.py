@@ -41,7 +41,7 @@ class DirectSource:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
-                name = self.path.lstrip("/")
+                name = self.path.lstrip("/").split("?", 1)[0]  # a query (e.g. a signature) names no file
                 if name not in names:
                     self.send_error(404, f"{name}: not in this checkpoint")
                     return
@@ -72,17 +72,28 @@ class DirectSource:
         self.close()
 
 
-def pull(base_url: str, files: dict[str, dict], dest: Path, timeout_s: float = 300.0) -> Path:
-    """Download every file of a manifest's ``files`` from ``base_url`` into ``dest`` and verify it.
+def pull(source: str | dict[str, str], files: dict[str, dict], dest: Path, timeout_s: float = 300.0) -> Path:
+    """Download every file of a manifest's ``files`` into ``dest`` and verify it.
+
+    ``source``: a base URL (``{source}/{name}``, a :class:`DirectSource`), or one URL per file name
+    (e.g. S3 presigned GETs, :func:`infra.checkpoint.presigned_urls`). Errors name a URL without its
+    query (a presigned URL's signature is a credential).
 
     Returns:
         ``dest``.
 
     Raises:
-        CheckpointError: a file could not be fetched, or its size or sha256 differs from the
+        CheckpointError: a file has no URL, could not be fetched, or its size or sha256 differs from the
             manifest (``dest`` is removed: nothing half-verified is left to load).
     """
     import httpx
+
+    def url_of(name: str) -> str:
+        if isinstance(source, str):
+            return f"{source}/{name}"
+        if name not in source:
+            raise CheckpointError(f"{name}: the manifest lists it and no URL was given for it")
+        return source[name]
 
     dest = Path(dest)
     shutil.rmtree(dest, ignore_errors=True)
@@ -90,17 +101,19 @@ def pull(base_url: str, files: dict[str, dict], dest: Path, timeout_s: float = 3
     try:
         with httpx.Client(timeout=timeout_s) as client:
             for name, meta in files.items():
-                target = dest / name
+                target, url = dest / name, url_of(name)
+                shown = url.split("?", 1)[0]
                 try:
-                    with client.stream("GET", f"{base_url}/{name}") as resp:
+                    with client.stream("GET", url) as resp:
                         resp.raise_for_status()
                         with target.open("wb") as f:
                             for chunk in resp.iter_bytes(1 << 20):
                                 f.write(chunk)
                 except httpx.HTTPError as e:
-                    raise CheckpointError(f"{base_url}/{name}: could not be fetched: {type(e).__name__}: {e}") from e
+                    reason = f"HTTP {e.response.status_code}" if isinstance(e, httpx.HTTPStatusError) else str(e)
+                    raise CheckpointError(f"{shown}: could not be fetched: {type(e).__name__}: {reason}") from e
                 if target.stat().st_size != meta["size"] or sha256_file(target) != meta["sha256"]:
-                    raise CheckpointError(f"{base_url}/{name}: content does not match the manifest's size/sha256")
+                    raise CheckpointError(f"{shown}: content does not match the manifest's size/sha256")
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise

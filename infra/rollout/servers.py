@@ -339,11 +339,12 @@ class ServerEngine:
         return {"transfer_s": transfer_s, "pause_s": self.apply_staged(policy_version)}
 
     def stage_direct(self, base_url: str, files: dict[str, dict], policy_version: int,
-                     timeout_s: float = 600.0) -> float:
+                     timeout_s: float = 600.0, urls: dict[str, str] | None = None) -> float:
         """Every live replica pulls the checkpoint from ``base_url`` and verifies it; returns the seconds taken.
 
         The pull runs on a thread inside each server's worker, so replicas keep serving while the
-        bytes move. ``files`` is the manifest's ``files`` (sha256 and size per file).
+        bytes move. ``files`` is the manifest's ``files`` (sha256 and size per file); ``urls`` (file
+        name -> URL, e.g. S3 presigned GETs) replaces ``base_url`` when given.
 
         Raises:
             CheckpointError: a replica could not fetch a file or found it differs from the manifest,
@@ -368,7 +369,8 @@ class ServerEngine:
                 return None
 
         stage = {"method": "stage_weights_from_url",
-                 "kwargs": {"base_url": base_url, "files_json": json.dumps(files), "version": str(policy_version)}}
+                 "kwargs": {"base_url": base_url, "files_json": json.dumps(files), "version": str(policy_version),
+                            "urls_json": json.dumps(urls) if urls else ""}}
         for url in list(self.router.live):
             if rpc(url, stage) is not None:
                 pending.add(url)
@@ -480,3 +482,85 @@ def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float
             s.stop()
         raise
     return servers
+
+
+def connect_remote(urls: list[str], token: str, dtype: str, token_env: str = TOKEN_ENV) -> list[RemoteServer]:
+    """Handles of servers started elsewhere (``engine.kind = "remote"``), each checked with the token.
+
+    Each server's ``/v1/models`` gives the model name requests must carry and its ``max_model_len``;
+    ``dtype`` is what the run says it serves (the server was started with it).
+
+    Raises:
+        RuntimeError: no token, or a server that cannot be reached, refuses the token or serves no model;
+            names the URL and ``token_env``.
+    """
+    if not token:
+        raise RuntimeError(f"engine.kind = \"remote\": ${token_env} is not set; give it the token the servers were "
+                           "started with (python -m infra.rollout.servers reads it from the same variable)")
+    handles = []
+    for url in (u.rstrip("/") for u in urls):
+        try:
+            resp = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"engine.urls: {url} cannot be reached ({type(e).__name__}: {e})") from e
+        if resp.status_code == 401:
+            raise RuntimeError(f"engine.urls: {url} refuses the token in ${token_env}")
+        try:
+            resp.raise_for_status()
+            card = resp.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise RuntimeError(f"engine.urls: {url}/v1/models did not list a model "
+                               f"(HTTP {resp.status_code}: {resp.text[:200]})") from e
+        handles.append(RemoteServer(url, card["id"], int(card.get("max_model_len") or 0), dtype, token))
+    return handles
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m infra.rollout.servers``: run one server on this machine for a run's ``engine.kind = "remote"``.
+
+    The token comes from ``$AGENTRL_ENGINE_TOKEN`` (required beyond loopback); the process stays in the
+    foreground until interrupted, then stops the server.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(description="One vLLM server for a run's remote engine (token in "
+                                            f"${TOKEN_ENV}).")
+    p.add_argument("--model", required=True, help="HF folder of the run's model.path")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--advertise", default=None, help="address the run reaches it at (needed with 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="bfloat16", help="the run's model.serving_dtype")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="log file (default: vllm-<port>.log here)")
+    a = p.parse_args(argv)
+    try:
+        server = VLLMServer(a.model, a.port, Path(a.log or f"vllm-{a.port}.log"), a.dtype, a.max_model_len,
+                            a.kv_cache_gib, a.seed, a.threads, host=a.host, advertise=a.advertise,
+                            token=os.environ.get(TOKEN_ENV) or None)
+    except ValueError as e:
+        print(f"error: {e} (set ${TOKEN_ENV})", file=sys.stderr)
+        return 2
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # stop the server (its own process group) on SIGTERM too
+    server.start()
+    try:
+        server.wait_ready()
+        print(f"serving {a.model} at {server.url} (log {server.log_path})", flush=True)
+        server.proc.wait()
+        return server.proc.returncode or 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

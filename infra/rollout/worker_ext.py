@@ -21,8 +21,10 @@ class WeightReload:
         reload_repacked(self, weights_path=weights_path)
 
     # -- direct publication: pull the trainer's files in the background, apply on request --------
-    def stage_weights_from_url(self, base_url: str, files_json: str, version: str) -> None:
+    def stage_weights_from_url(self, base_url: str, files_json: str, version: str, urls_json: str = "") -> None:
         """Start pulling a checkpoint from ``base_url`` (a trainer's :class:`infra.publish.DirectSource`).
+
+        When ``urls_json`` is given, its file name -> URL map (S3 presigned GETs) is used instead.
 
         Runs on a thread of the worker process, so the engine keeps serving meanwhile; every file is
         verified against ``files_json`` (a manifest's ``files``). Poll :meth:`staged_weights`, then
@@ -46,7 +48,7 @@ class WeightReload:
 
         def work() -> None:
             try:
-                pull(base_url, json.loads(files_json), dest)
+                pull(json.loads(urls_json) if urls_json else base_url, json.loads(files_json), dest)
             except Exception as e:  # reported through staged_weights
                 state["error"] = f"{type(e).__name__}: {e}"
             finally:

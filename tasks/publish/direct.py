@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
 from infra.checkpoint import CheckpointError, file_entries
-from infra.config import DirectPublish, InprocEngine, ServersEngine
+from infra.config import DirectPublish, InprocEngine, RemoteEngine, ServersEngine
 from infra.publish import DirectSource, pull
 from infra.run import Policy, Run
 from tasks.naming import stage_run_name
@@ -38,7 +38,7 @@ def load_direct(run: Run, export_dir: str, version: int, files: dict | None = No
     with DirectSource(Path(export_dir), host=host) as source:
         try:
             match run.config.engine:
-                case ServersEngine():
+                case ServersEngine() | RemoteEngine():
                     return _stage_on_servers(run, source.url, files, version)
                 case InprocEngine():
                     return _pull_then_load(run, source.url, files, version)

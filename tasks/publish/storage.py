@@ -10,7 +10,7 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from infra.checkpoint import CheckpointError, fetch
-from infra.config import StoragePublish
+from infra.config import RemoteEngine, StoragePublish
 from infra.run import Policy, Run
 from tasks.naming import stage_run_name
 from tasks.publish.checkpoint import loaded, refused
@@ -20,6 +20,9 @@ from tasks.publish.checkpoint import loaded, refused
 def hot_load(run: Run, uri: str) -> dict:
     """Fetch a published checkpoint, verify it against its manifest, and reload the engine's weights.
 
+    Remote servers (``engine.kind = "remote"``) each fetch and verify it from S3 themselves
+    (:meth:`infra.run.Run.stage_published`) while serving, then drain and apply.
+
     An incomplete or corrupt checkpoint (no manifest, size or sha256 mismatch) is refused: the
     engine keeps serving the version it has, the refusal is logged and returned, and the run goes
     on (the next rows then carry the older version, which the policy-lag metrics show).
@@ -28,6 +31,13 @@ def hot_load(run: Run, uri: str) -> dict:
         ``{"version", "pause_s", "transfer_s", "refused"}``: the version now served, how long
         generation was paused, the fetch-and-verify seconds, and the refusal reason (empty when loaded).
     """
+    if isinstance(run.config.engine, RemoteEngine):  # servers on other machines fetch it from S3 themselves
+        version = run.layout.version_of(uri)
+        try:
+            transfer_s, apply = run.stage_published(uri)
+        except CheckpointError as e:
+            return refused(run, uri, e)
+        return loaded(version, run.serve(Policy(version, ""), apply), transfer_s)
     local = run.layout.work / f"v{run.layout.version_of(uri)}"
     start = time.monotonic()
     try:

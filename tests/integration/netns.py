@@ -7,12 +7,15 @@ everything is removed on exit, processes left in a namespace included.
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 SUBNET = "10.231.7"  # /24, private, created and removed by the test
+HOST = f"{SUBNET}.1"  # the flow machine's end of the bridge
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,47 @@ def nodes(count: int):
             subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)  # its veth goes with it
         subprocess.run(["iptables", "-D", *firewall], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+@contextmanager
+def forward(target: tuple[str, int], host: str = HOST):
+    """Forward TCP connections to ``host:<port>`` on to ``target`` (a loopback service the nodes cannot reach).
+
+    Bytes pass unchanged (an HTTP ``Host`` header stays the one the client sent). Yields the port.
+    """
+    server = socket.create_server((host, 0))
+    port = server.getsockname()[1]
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(target)
+            threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+
+    threading.Thread(target=accept, name="netns-forward", daemon=True).start()
+    try:
+        yield port
+    finally:
+        try:
+            server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (Linux)
+        except OSError:
+            pass
+        server.close()

@@ -52,3 +52,73 @@ def test_an_engine_in_another_namespace_serves_the_run_with_its_token_only(tiny_
                 engine.close()
             server.stop()
         assert server.proc.pid not in node.pids()
+
+
+def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny_model, s3, prefect_harness,
+                                                                            tmp_path, monkeypatch):
+    """``engine.kind = "remote"``: a server started with ``python -m infra.rollout.servers`` on another node
+    serves a ``post_train`` step, then fetches v1 from S3 itself (presigned URLs, no S3 keys, no shared
+    folder), and a resumed run loads v1 into it the same way."""
+    import os
+    import sys
+    import time
+    import uuid
+    from urllib.parse import urlsplit
+
+    from flows.post_train import post_train
+    from infra.config import (
+        EvalConfig,
+        ModelConfig,
+        RemoteEngine,
+        RolloutConfig,
+        RunConfig,
+        StoragePublish,
+        TaskSetConfig,
+    )
+    from infra.rollout.engine_auth import TOKEN_ENV
+    from infra.run import Run
+    from infra.store import read_step
+
+    token = secrets.token_urlsafe(16)
+    monkeypatch.setenv(TOKEN_ENV, token)
+    s3_at = urlsplit(os.environ["AGENTRL_S3_ENDPOINT"])
+    with netns.nodes(1) as (node,), netns.forward((s3_at.hostname, s3_at.port)) as s3_port:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}  # no S3 keys there
+        cli = subprocess.Popen([*node.launcher, sys.executable, "-m", "infra.rollout.servers", "--model",
+                                str(tiny_model), "--host", node.address, "--port", str(port), "--dtype", "float32",
+                                "--max-model-len", "1024", "--kv-cache-gib", "1", "--threads", "1",
+                                "--log", str(tmp_path / "vllm.log")], env=env, stdout=subprocess.PIPE, text=True)
+        url = f"http://{node.address}:{port}"
+        try:
+            ready = cli.stdout.readline()
+            assert ready.startswith(f"serving {tiny_model} at {url}"), (tmp_path / "vllm.log").read_text()
+            config = RunConfig(
+                run_id=f"remote-{uuid.uuid4().hex[:8]}", steps=1,
+                model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
+                tasks=TaskSetConfig(humaneval_train=2, humaneval_eval=0),
+                engine=RemoteEngine(urls=[url]),
+                rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
+                eval=EvalConfig(enabled=False),
+                publish=StoragePublish(endpoint=f"http://{netns.HOST}:{s3_port}"),
+            )
+            (summary,) = post_train(config)
+            assert summary["policy_version"] == 1 and not summary["checkpoint_refused"]
+            assert summary["publish_transfer_s"] > 0
+            with Run.open(config) as run:
+                rows = read_step(s3, run.layout.trajectories(0)).to_pylist()
+                assert rows and {r["engine_replica"] for r in rows if r["outcome"] != "infra_failure"} == {url}
+                assert not (run.layout.work / "v1").exists()  # the flow machine never fetched the checkpoint
+                assert run.resume() == 1
+                engine = run.engine  # the server reloads v1 from S3 (it cannot read this machine's folders)
+                (sample,) = engine.generate([SampleRequest([1, 2, 3], 4, 1.0, 1.0, 0)], ["t"])
+                assert sample.policy_version == 1 and sample.replica == url
+            log = (tmp_path / "vllm.log").read_text()
+            assert log.count("POST /collective_rpc") >= 4  # stage + poll + apply, twice
+        finally:
+            cli.terminate()  # the command line stops its server on SIGTERM
+            cli.wait(timeout=60)
+            deadline = time.monotonic() + 30
+            while node.pids() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert node.pids() == []

@@ -46,3 +46,12 @@ def test_collect_rollouts_fans_out_groups_on_ray(tiny_model, s3, prefect_harness
     assert len({r["seed"] for r in rows if r["attempt"] == 0}) == 4  # seeds differ across groups
     assert {r["engine_replica"] for r in rows if r["outcome"] != "infra_failure"} == {url}
     assert all(r["max_policy_version"] == 0 for r in rows)
+    # the engines' token reached the workers in their environment, never as a parameter Prefect stores
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        fan_outs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["collect_groups_fan_out"])))
+    (token,) = {s.token for s in engine["servers"]}
+    stored = [str(r.parameters) for r in fan_outs]
+    assert token and any(url in p for p in stored) and not any(token in p for p in stored)

@@ -131,11 +131,11 @@ def test_unknown_key_in_a_kind_lists_that_kinds_keys(tmp_path):
 def test_unknown_or_missing_kind_names_the_kinds(tmp_path):
     assert _error(tmp_path, '[engine]\nkind = "server"\n') == (
         "bad.toml: field 'engine.kind': unknown kind 'server'; did you mean 'servers'? "
-        "expected one of 'inproc', 'servers'")
+        "expected one of 'inproc', 'servers', 'remote'")
     assert _error(tmp_path, '[publish]\nkind = "s3"\n') == (
         "bad.toml: field 'publish.kind': unknown kind 's3'; expected one of 'storage', 'direct', 'colocated'")
     assert _error(tmp_path, "[engine]\ncount = 3\n") == (
-        "bad.toml: field 'engine.kind': missing; expected one of 'inproc', 'servers' "
+        "bad.toml: field 'engine.kind': missing; expected one of 'inproc', 'servers', 'remote' "
         "('count' is a key of kind 'servers')")
 
 

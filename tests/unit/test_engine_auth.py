@@ -46,3 +46,33 @@ def test_binding_beyond_loopback_needs_a_token_and_a_wildcard_an_advertised_addr
     assert VLLMServer("m", 8000, tmp_path / "log", host="0.0.0.0", advertise="10.0.0.2", token="t").url == \
         "http://10.0.0.2:8000"
     assert VLLMServer("m", 8000, tmp_path / "log").url == "http://127.0.0.1:8000"  # loopback: a token is optional
+
+
+def test_remote_servers_need_the_token_and_name_what_is_wrong(monkeypatch, tmp_path):
+    import httpx
+
+    from infra.config import RemoteEngine
+    from infra.rollout.servers import connect_remote
+
+    with pytest.raises(RuntimeError, match=r"\$AGENTRL_ENGINE_TOKEN is not set"):
+        connect_remote(["http://127.0.0.1:9"], "", "float32")
+    with pytest.raises(RuntimeError, match="engine.urls: http://127.0.0.1:9 cannot be reached"):
+        connect_remote(["http://127.0.0.1:9/"], "t", "float32")
+    with pytest.raises(ValueError, match="engine.urls: '10.0.0.7:8000' is not a server's base URL"):
+        RemoteEngine(urls=["10.0.0.7:8000"])
+    with pytest.raises(ValueError):
+        RemoteEngine(urls=[])
+
+    def models(request: httpx.Request) -> httpx.Response:  # a server's /v1/models, behind its token
+        if request.headers.get("authorization") != "Bearer right":
+            return httpx.Response(401)
+        return httpx.Response(200, json={"data": [{"id": "/models/smollm2", "max_model_len": 2048}]})
+
+    real_get = httpx.get
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Client(transport=httpx.MockTransport(models)).get(
+        url, **kw) if "10.0.0.7" in url else real_get(url, **kw))
+    with pytest.raises(RuntimeError, match="http://10.0.0.7:8000 refuses the token in \\$AGENTRL_ENGINE_TOKEN"):
+        connect_remote(["http://10.0.0.7:8000"], "wrong", "bfloat16")
+    (handle,) = connect_remote(["http://10.0.0.7:8000/"], "right", "bfloat16")
+    assert (handle.url, handle.model_dir, handle.max_model_len, handle.dtype, handle.token) == (
+        "http://10.0.0.7:8000", "/models/smollm2", 2048, "bfloat16", "right")

@@ -38,6 +38,20 @@ def test_corrupt_or_missing_file_is_refused_and_nothing_left(export, tmp_path):
         assert not (tmp_path / "dest").exists()
 
 
+def test_pull_takes_one_url_per_file_and_never_names_a_signature(export, tmp_path):
+    files = file_entries(export)
+    with DirectSource(export) as source:
+        urls = {name: f"{source.url}/{name}?Signature=s3cret" for name in files}  # presigned-style URLs
+        assert file_entries(pull(urls, files, tmp_path / "dest")) == files
+        with pytest.raises(CheckpointError, match="config.json: the manifest lists it and no URL") as missing:
+            pull({"model.safetensors": urls["model.safetensors"]}, files, tmp_path / "dest")
+        assert not (tmp_path / "dest").exists()
+        with pytest.raises(CheckpointError, match="nope.bin: could not be fetched") as refused:
+            pull({**urls, "nope.bin": f"{source.url}/nope.bin?Signature=s3cret"},
+                 {**files, "nope.bin": {"sha256": "0" * 64, "size": 1}}, tmp_path / "dest")
+        assert "s3cret" not in str(refused.value) + str(missing.value)
+
+
 def _raw_get(url: str, path: str) -> bytes:
     """A GET sent byte for byte (an HTTP client would normalise ``..`` away before sending)."""
     import socket
