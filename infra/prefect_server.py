@@ -82,7 +82,9 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     state.mkdir(parents=True, exist_ok=True)
     api_url = f"http://127.0.0.1:{port}/api"
     home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,
+    from infra.reaper import unmarked_env
+
+    env = {**unmarked_env(), "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url,  # they outlive any run
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}

@@ -48,7 +48,10 @@ class Run:
     """Live resources of one run in this process; build with :meth:`open`, close with ``with`` or :meth:`close`."""
 
     def __init__(self, config: RunConfig, fs) -> None:
-        """Wrap ``config`` and an S3 filesystem; nothing is started (see :meth:`open`)."""
+        """Wrap ``config`` and an S3 filesystem; nothing is started but the process's watchdog (``infra.reaper``)."""
+        from infra.reaper import ensure_watchdog
+
+        ensure_watchdog()  # whatever this process starts is removed when it dies, SIGKILL included
         self.config = config
         self.layout = RunLayout(config.storage.bucket, config.storage.prefix, config.run_id)
         self.fs = fs

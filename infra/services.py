@@ -142,9 +142,12 @@ def _our_pid(pid_file: Path, program: str, needle: str) -> int | None:
 
 def _spawn(argv: list[str], log_file: Path) -> subprocess.Popen[bytes]:
     """Start ``argv`` detached (own session), stdout and stderr appended to ``log_file``."""
+    from infra.reaper import unmarked_env
+
     with open(log_file, "ab") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        proc = subprocess.Popen(  # shared services outlive any run: not marked as its (infra.reaper)
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=unmarked_env(),
         )
     _CHILDREN[proc.pid] = proc
     return proc

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from infra.egress.ca import egress_home, ensure_bundle, ensure_ca, host_bundle
 from infra.egress.policy import DEFAULT_CACHE_PATTERNS, EgressSummary, Mirror, Session, session_allow
+from infra.reaper import owner_mark
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class EgressProxy:
         log_file = open(state / "mitmdump.log", "w")  # noqa: SIM115 - the process writes it until close
         self._proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo),
-                                           "HOME": str(self.home)}, start_new_session=True)
+                                           "HOME": str(self.home), **owner_mark()}, start_new_session=True)
         log_file.close()
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:

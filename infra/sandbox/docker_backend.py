@@ -727,8 +727,14 @@ START_LABEL = "agentrl.start"
 
 
 def owner_id() -> str:
-    """``host:pid`` of this process, the owner label of every container it starts."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """The owner label of every container this process starts.
+
+    The run's mark (``infra.reaper``: ``host:pid`` of the run's process, inherited by the processes it
+    starts), else ``host:pid`` of this process.
+    """
+    from infra.reaper import OWNER_ENV
+
+    return os.environ.get(OWNER_ENV) or f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _pid_alive(pid: int) -> bool:
