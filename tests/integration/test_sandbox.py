@@ -179,8 +179,11 @@ def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):
 
     from infra.sandbox.docker_backend import OWNER_LABEL
 
+    from infra.reaper import unmarked_env
+
     r = subprocess.run([sys.executable, "-c", _WARM_THEN_EXIT, f"exit-{uuid.uuid4().hex[:8]}"],
-                       cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+                       cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300,
+                       env=unmarked_env())  # a run of its own: its containers are not this process's
     assert r.returncode == 0, r.stderr[-2000:]
     _, owner, _, idle = r.stdout.split()[-4:]
     assert idle == "2", r.stdout  # two warm sandboxes ran while the process lived
