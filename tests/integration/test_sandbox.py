@@ -177,9 +177,8 @@ def test_idle_warm_sandboxes_are_removed_when_the_process_exits(backend):
     import sys
     import uuid
 
-    from infra.sandbox.docker_backend import OWNER_LABEL
-
     from infra.reaper import unmarked_env
+    from infra.sandbox.docker_backend import OWNER_LABEL
 
     r = subprocess.run([sys.executable, "-c", _WARM_THEN_EXIT, f"exit-{uuid.uuid4().hex[:8]}"],
                        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300,
