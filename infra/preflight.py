@@ -24,7 +24,8 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
         config: the run config.
         docker: check the Docker engine (``DOCKER_HOST`` or the default socket) answers a ping.
         model: check ``model.path`` is an HF model folder (or the built-in SmolLM2 name), unless the
-            run already published a version (a resumed run starts from its newest checkpoint).
+            run already published a version (a resumed run starts from its newest checkpoint); and, for
+            ``engine.kind = "remote"``, that every server answers with the token.
         tasks: load the configured task sources (fatal errors only; a broken task is reported
             by ``build_envs`` and does not stop the others).
 
@@ -56,6 +57,14 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
             load_run_tasks(config.tasks)
         except (TaskError, ValueError, TypeError) as e:
             raise RunInputError(f"tasks: {e}") from e
+    if model and getattr(config.engine, "kind", "") == "remote":  # the servers answer, with the token
+        from infra.rollout.servers import connect_remote
+
+        try:
+            connect_remote(config.engine.urls, os.environ.get(config.engine.token_env, ""),
+                           config.model.serving_dtype, config.engine.token_env)
+        except RuntimeError as e:
+            raise RunInputError(str(e)) from e
     if model:
         from infra.checkpoint import published_versions
         from infra.model import SMOLLM2, resolve_model

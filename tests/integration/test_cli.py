@@ -26,7 +26,11 @@ from tests.helpers import run_cli
     ("", {"DOCKER_HOST": "unix:///nonexistent/docker.sock"},
      "Docker engine at unix:///nonexistent/docker.sock not reachable"),
     ('[eval]\ndtype = "bfloat16"\n', {}, "eval.dtype=bfloat16: post_train evaluates with its serving engine"),
-], ids=["model", "terminal_dir", "eval_ids", "code_file", "docker", "eval_dtype"])
+    ('[engine]\nkind = "remote"\nurls = ["http://127.0.0.1:9"]\n', {"AGENTRL_ENGINE_TOKEN": ""},
+     'engine.kind = "remote": $AGENTRL_ENGINE_TOKEN is not set'),
+    ('[engine]\nkind = "remote"\nurls = ["http://127.0.0.1:9"]\n', {"AGENTRL_ENGINE_TOKEN": "t"},
+     "engine.urls: http://127.0.0.1:9 cannot be reached"),
+], ids=["model", "terminal_dir", "eval_ids", "code_file", "docker", "eval_dtype", "remote_token", "remote_url"])
 def test_unusable_input_is_one_error_line_and_nothing_is_written(services_env, s3, tmp_path, toml, env, message):
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "run.toml"
