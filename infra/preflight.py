@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from infra.config import RunConfig
+from infra.config import RemoteEngine, RunConfig
 from infra.layout import RunLayout
 
 
@@ -57,7 +57,7 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
             load_run_tasks(config.tasks)
         except (TaskError, ValueError, TypeError) as e:
             raise RunInputError(f"tasks: {e}") from e
-    if model and getattr(config.engine, "kind", "") == "remote":  # the servers answer, with the token
+    if model and isinstance(config.engine, RemoteEngine):  # the servers answer, with the token
         from infra.rollout.servers import connect_remote
 
         try:

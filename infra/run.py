@@ -138,14 +138,22 @@ class Run:
         Raises:
             CheckpointError: no complete manifest, or a server could not fetch or verify a file (nothing applied).
         """
+        version, files, urls = self.presigned_checkpoint(uri)
+        transfer_s = self.engine.stage_direct(uri, files, version, urls=urls)
+        return transfer_s, lambda: self.engine.apply_staged(version)
+
+    def presigned_checkpoint(self, uri: str) -> tuple[int, dict[str, dict], dict[str, str]]:
+        """Checkpoint ``uri``'s version, manifest ``files`` and presigned GET URLs (on ``publish.endpoint``).
+
+        Raises:
+            CheckpointError: no complete manifest.
+        """
         from infra.checkpoint import presigned_urls, read_manifest
 
         manifest = read_manifest(self.fs, uri)
-        version, files = int(manifest["version"]), manifest["files"]
-        endpoint = getattr(self.config.publish, "endpoint", "")
-        urls = presigned_urls(self.fs, uri, files, endpoint=endpoint)
-        transfer_s = self.engine.stage_direct(uri, files, version, urls=urls)
-        return transfer_s, lambda: self.engine.apply_staged(version)
+        files = manifest["files"]
+        urls = presigned_urls(self.fs, uri, files, endpoint=getattr(self.config.publish, "endpoint", ""))
+        return int(manifest["version"]), files, urls
 
     def serve_published(self, version: int | None = None) -> Policy:
         """Serve checkpoint ``version`` of the run (default: the newest; ``model.path`` when none is published).

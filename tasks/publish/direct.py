@@ -39,7 +39,7 @@ def load_direct(run: Run, export_dir: str, version: int, files: dict | None = No
         try:
             match run.config.engine:
                 case ServersEngine() | RemoteEngine():
-                    return _stage_on_servers(run, source.url, files, version)
+                    return stage_on_servers(run, source.url, files, version)
                 case InprocEngine():
                     return _pull_then_load(run, source.url, files, version)
                 case other:
@@ -48,10 +48,13 @@ def load_direct(run: Run, export_dir: str, version: int, files: dict | None = No
             return refused(run, source.url, e)
 
 
-def _stage_on_servers(run: Run, url: str, files: dict, version: int) -> dict:
-    """Each replica pulls while serving, then all drain and apply (failed replicas leave the rotation)."""
+def stage_on_servers(run: Run, url: str, files: dict, version: int, urls: dict[str, str] | None = None) -> dict:
+    """Each replica pulls while serving, then all drain and apply (failed replicas leave the rotation).
+
+    ``urls``: one URL per file (S3 presigned GETs) instead of ``url``'s files.
+    """
     engine = run.engine
-    transfer_s = engine.stage_direct(url, files, version)
+    transfer_s = engine.stage_direct(url, files, version, urls=urls)
 
     def apply() -> float:
         t0 = time.monotonic()

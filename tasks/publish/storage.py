@@ -14,14 +14,16 @@ from infra.config import RemoteEngine, StoragePublish
 from infra.run import Policy, Run
 from tasks.naming import stage_run_name
 from tasks.publish.checkpoint import loaded, refused
+from tasks.publish.direct import stage_on_servers
 
 
 @task(name="hot_load", task_run_name=stage_run_name("hot_load"), cache_policy=NO_CACHE, retries=1)
 def hot_load(run: Run, uri: str) -> dict:
     """Fetch a published checkpoint, verify it against its manifest, and reload the engine's weights.
 
-    Remote servers (``engine.kind = "remote"``) each fetch and verify it from S3 themselves
-    (:meth:`infra.run.Run.stage_published`) while serving, then drain and apply.
+    Remote servers (``engine.kind = "remote"``) each fetch and verify it from S3 themselves, through
+    presigned URLs (:meth:`infra.run.Run.presigned_checkpoint`), while serving, then drain and apply
+    as with direct publication (:func:`tasks.publish.direct.stage_on_servers`).
 
     An incomplete or corrupt checkpoint (no manifest, size or sha256 mismatch) is refused: the
     engine keeps serving the version it has, the refusal is logged and returned, and the run goes
@@ -32,12 +34,11 @@ def hot_load(run: Run, uri: str) -> dict:
         generation was paused, the fetch-and-verify seconds, and the refusal reason (empty when loaded).
     """
     if isinstance(run.config.engine, RemoteEngine):  # servers on other machines fetch it from S3 themselves
-        version = run.layout.version_of(uri)
         try:
-            transfer_s, apply = run.stage_published(uri)
+            version, files, urls = run.presigned_checkpoint(uri)
+            return stage_on_servers(run, uri, files, version, urls=urls)
         except CheckpointError as e:
             return refused(run, uri, e)
-        return loaded(version, run.serve(Policy(version, ""), apply), transfer_s)
     local = run.layout.work / f"v{run.layout.version_of(uri)}"
     start = time.monotonic()
     try:
