@@ -10,3 +10,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def interface_toward(peer: str) -> str:
+    """The name of the local network interface this machine reaches ``peer`` (an IPv4 address) through.
+
+    The kernel's route choice (a UDP socket connected to the peer sends nothing) gives the local
+    address; the interface is the one holding it. For gloo (``GLOO_SOCKET_IFNAME``), which otherwise binds
+    to whatever the hostname resolves to, an address a node in another network may not reach.
+
+    Raises:
+        OSError: no route to ``peer``, or no interface holds the address the route uses.
+    """
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        local = s.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    raise OSError(f"no interface holds {local}, the local address of the route to {peer}")

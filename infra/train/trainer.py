@@ -8,6 +8,14 @@ positions in the loss (sampled tokens): the ``(B, T, V)`` logits of prompts and 
 dominate memory. Gradient accumulation
 is caller-owned (``managed_gradient_accumulation=false``): each micro-batch's loss is already
 divided by the step's token count, so DeepSpeed must not rescale it.
+
+Data parallel (``WORLD_SIZE`` > 1, one process per rank, ``torch.distributed`` set up from the usual
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``): every rank gets the whole step's rows, computes
+the same advantages and token count, and trains its share (:func:`shard_rows`). DeepSpeed averages
+gradients over the data-parallel world, so each rank's backward loss is multiplied by the world size:
+the step's gradient is then ``sum over all loss tokens / N`` as on one rank. Every rank runs the same
+number of micro-batches (a short rank repeats one of its rows with weight 0), since ZeRO-2 reduces and
+ZeRO-3 gathers inside each backward and forward.
 """
 
 from __future__ import annotations
@@ -32,10 +40,11 @@ EXCLUDED_OUTCOMES = ("infra_failure", "unknown")
 
 
 def _skip_shm_comm_op() -> None:
-    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op for a one-rank group.
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op.
 
-    The op reduces across ranks on one host; with one rank there is nothing to reduce, and building it is
-    a C++ compile on a machine without the torch-extensions cache. ``TorchBackend`` builds it only when
+    The op serves only ``inference_all_reduce`` among ranks of one host (training collectives go through
+    ``torch.distributed``); ranks here may sit on different machines, and building it is a C++ compile on
+    a machine without the torch-extensions cache. ``TorchBackend`` builds it only when
     ``deepspeed.ops.__compatible_ops__`` marks it compatible (``deepspeed/comm/torch.py: build_shm_op``);
     that dict is cached in the module so that edits persist, and gloo's all-reduce is the fallback.
     """
@@ -76,6 +85,23 @@ def split_segments(rows: list[dict], adv: np.ndarray) -> tuple[list[dict], np.nd
     return out, np.asarray(out_adv, dtype=np.float64), origin
 
 
+def shard_rows(indices: list[int], lengths: list[int], world_size: int) -> list[list[int]]:
+    """Split row indices over ranks with balanced token counts (longest first, each to the lightest rank).
+
+    Deterministic: every rank computes the same shards from the same rows (ties go to the lower rank).
+    Each shard keeps the order of ``indices``.
+
+    Returns:
+        ``world_size`` lists of indices, their union ``indices``.
+    """
+    load, owner = [0] * world_size, {}
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += lengths[i]
+    return [[i for i in indices if owner[i] == r] for r in range(world_size)]
+
+
 def eligible_rows(rows: list[dict]) -> list[dict]:
     """Rows that enter the gradient: infra failures and unverifiable episodes are left out."""
     return [r for r in rows if r["outcome"] not in EXCLUDED_OUTCOMES]
@@ -90,8 +116,15 @@ class GRPOTrainer:
                  max_seq_len: int, tis_level: str = "token", mask_ratio_low: float | None = None,
                  mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean",
                  divergence_threshold: float | None = None, divergence_estimator: str = "k3",
-                 divergence_action: str = "drop"):
+                 divergence_action: str = "drop", world_size: int = 1, master: str | None = None,
+                 ranks_timeout_s: float = 600.0, model_config: dict | None = None):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
+
+        With ``world_size`` > 1 this process is rank 0 of a data-parallel group whose other ranks run
+        ``python -m infra.train.ranks`` (see there): it binds ``master`` (``host:port``, an address the
+        other ranks reach), waits up to ``ranks_timeout_s`` for them, and sends them these arguments and
+        the model's config (they start from its config, DeepSpeed broadcasts rank 0's weights).
+        ``model_dir=None`` with ``model_config`` is how those ranks build theirs.
 
         ``temperature``, ``top_p`` and ``top_k`` are the rollout's sampling parameters (``top_p`` 1 and
         ``top_k`` 0 off): the trainer's logprobs are those of the same truncated, renormalised
@@ -106,8 +139,12 @@ class GRPOTrainer:
 
         Raises:
             ValueError: an unknown divergence estimator or action, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``,
-                or ZeRO stage 0 with a bf16 forward.
+                ZeRO stage 0 with a bf16 forward, or ``world_size`` > 1 in a process whose torch.distributed
+                group is already set up with another size (an in-process vLLM engine's).
+            RuntimeError: the other ranks did not join within ``ranks_timeout_s``.
         """
+        hyper = {k: v for k, v in locals().items()
+                 if k not in ("self", "model_dir", "world_size", "master", "ranks_timeout_s", "model_config")}
         if divergence_estimator not in ("k1", "k3") or divergence_action not in ("drop", "downweight"):
             raise ValueError(f"divergence estimator {divergence_estimator!r} / action {divergence_action!r} unknown")
         if zero_stage == 0 and forward_dtype == "bfloat16":
@@ -121,15 +158,32 @@ class GRPOTrainer:
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
-        # A single process: DeepSpeed reads these even when vLLM already set up the (gloo) group.
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        if not torch.cuda.is_available() and os.environ["WORLD_SIZE"] == "1":
+        from infra.train.ranks import join_ranks
+
+        if not torch.cuda.is_available():
             _skip_shm_comm_op()
-        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if world_size > 1 and not dist.is_initialized():
+            self._commands = join_ranks(0, world_size, master or "", ranks_timeout_s)
+        elif world_size > 1 and dist.get_world_size() != world_size:
+            raise ValueError(f"world_size {world_size}: this process's torch.distributed group already has "
+                             f"{dist.get_world_size()} rank(s) (an in-process engine's); "
+                             "use engine.kind servers or remote")
+        else:
+            # A single process: DeepSpeed reads these even when vLLM already set up the (gloo) group.
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(key, value)
+            if not dist.is_initialized():
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
+            deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if model_dir is None:  # a rank > 0: the architecture from rank 0, the weights by DeepSpeed's broadcast
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(**model_config)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self._lead("init", hyper, self.model.config.to_dict())
         self.model.config.use_cache = False
         config = {
             "train_micro_batch_size_per_gpu": micro_batch_rows,
@@ -173,6 +227,7 @@ class GRPOTrainer:
         """
         import torch
 
+        self._lead("step", rows)
         start = time.monotonic()
         episodes = eligible_rows(rows)
         adv = group_advantages(np.array([r["reward"] for r in episodes], dtype=np.float64),
@@ -186,7 +241,6 @@ class GRPOTrainer:
                 m = np.zeros_like(m)
             masks.append(m[1:])  # position 0 is never predicted
         total_tokens = int(sum(m.sum() for m in masks))
-        self.last_row_decisions = []
         sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing", "unkept"), 0.0)
         ratios = []
         loss_value = 0.0
@@ -196,17 +250,28 @@ class GRPOTrainer:
         by_len = sorted(range(len(rows)), key=lambda i: len(rows[i]["token_ids"]))
         grad_rows = [i for i in by_len if adv[i] != 0.0]
         zero_rows = [i for i in by_len if adv[i] == 0.0]
+        lengths = [len(r["token_ids"]) for r in rows]
+        decisions: list[tuple[int, dict]] = []
         for group, with_grad in ((grad_rows, True), (zero_rows, False)):
-            for lo in range(0, len(group), self.micro_batch_rows):
-                idx = group[lo: lo + self.micro_batch_rows]
+            shards = shard_rows(group, lengths, self.world_size)
+            mine, mb = shards[self.rank], self.micro_batch_rows
+            for n in range(max(-(-len(s) // mb) for s in shards)):  # the same count on every rank
+                idx, weight = mine[n * mb: (n + 1) * mb], 1.0
+                if not idx:  # this rank ran out of rows: one of them again (or any), with weight 0
+                    idx, weight = (mine or group)[:1], 0.0
                 with torch.set_grad_enabled(with_grad):
-                    loss, m, r = self._micro_batch(rows, idx, masks, adv, total_tokens)
-                ratios.append(r.detach())
-                if with_grad:
-                    self.engine.backward(loss, scale_wrt_gas=False)
-                loss_value += float(loss.detach())
-                for k in sums:
-                    sums[k] += m[k]
+                    loss, m, r, d = self._micro_batch(rows, idx, masks, adv, total_tokens)
+                if with_grad:  # DeepSpeed averages over ranks: times the world size, the sum is the 1-rank gradient
+                    self.engine.backward(loss * (weight * self.world_size), scale_wrt_gas=False)
+                if weight:
+                    ratios.append(r.detach())
+                    loss_value += float(loss.detach())
+                    decisions += d
+                    for k in sums:
+                        sums[k] += m[k]
+        if self.world_size > 1:
+            sums, loss_value, ratios, decisions = self._gather(sums, loss_value, ratios, decisions)
+        self.last_row_decisions = [d for _, d in sorted(decisions, key=lambda x: x[0])]
         update_norm = 0.0
         if grad_rows:
             before = self._fp32_params()
@@ -239,6 +304,28 @@ class GRPOTrainer:
             "train_s": time.monotonic() - start,
         }
 
+    def _lead(self, command: str, *args) -> None:
+        """On rank 0 of several: have the other ranks run ``command`` with ``args`` (``infra.train.ranks``)."""
+        if self.world_size > 1 and self.rank == 0:
+            from infra.train.ranks import send_command
+
+            send_command(self._commands, command, *args)
+
+    def _gather(self, sums: dict, loss_value: float, ratios: list, decisions: list):
+        """The step's metric sums, loss, ratios and row decisions of all ranks, on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        keys = list(sums)
+        total = torch.tensor([sums[k] for k in keys] + [loss_value], dtype=torch.float64)
+        dist.all_reduce(total)
+        gathered: list = [None] * self.world_size
+        local = torch.cat(ratios).numpy() if ratios else np.zeros(0, dtype=np.float32)
+        dist.all_gather_object(gathered, (local, decisions))
+        all_ratios = [torch.from_numpy(r) for r, _ in gathered if len(r)]
+        return (dict(zip(keys, total[:-1].tolist(), strict=True)), float(total[-1]), all_ratios,
+                [d for _, ds in gathered for d in ds])
+
     def _fp32_params(self) -> list:
         """A float32 copy of every trainable parameter (the optimizer's master weights), in ``parameters()`` order."""
         import torch
@@ -264,7 +351,10 @@ class GRPOTrainer:
 
     def _micro_batch(self, rows: list[dict], idx: list[int], masks: list[np.ndarray], adv: np.ndarray,
                      total_tokens: int):
-        """Loss and metric sums of rows ``idx`` (padded to the longest; logits only at loss positions)."""
+        """Loss, metric sums, token ratios and ``(row index, decision)`` pairs of rows ``idx``.
+
+        Rows are padded to the longest; logits only at loss positions.
+        """
         import torch
 
         width = max(min(len(rows[i]["token_ids"]), self.max_seq_len) for i in idx)
@@ -288,25 +378,27 @@ class GRPOTrainer:
         row_adv = torch.from_numpy(adv[idx])[:, None].expand_as(mask)[sel]
         # a token outside the kept set has no finite log ratio: left out of the KL estimates (counted in unkept)
         known_rollout = torch.where(kept, rollout[sel], torch.full_like(rollout[sel], float("nan")))
-        row_weight = self._divergence_decisions(rows, idx, lp, known_rollout, row_ids)
-        return tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap, level=self.tis_level,
-                               row_ids=row_ids, mask_low=self.mask_ratio_low, mask_high=self.mask_ratio_high,
-                               row_weight=row_weight, kept=kept)
+        row_weight, decisions = self._divergence_decisions(rows, idx, lp, known_rollout, row_ids)
+        loss, sums, ratios = tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap,
+                                             level=self.tis_level, row_ids=row_ids, mask_low=self.mask_ratio_low,
+                                             mask_high=self.mask_ratio_high, row_weight=row_weight, kept=kept)
+        return loss, sums, ratios, decisions
 
     def _divergence_decisions(self, rows: list[dict], idx: list[int], lp, rollout, row_ids):
-        """Per-row KL estimates of this micro-batch, recorded with the decision; the row weights (None: off)."""
+        """The row weights (None: off) and each row's ``(index, record)``: KL estimates and the decision."""
         threshold, estimator, action = self.divergence
         k1, k3, known = row_divergence(lp, rollout, row_ids, len(idx))
         weight = None
         if threshold is not None:
             weight = divergence_row_weights(k3 if estimator == "k3" else k1, threshold, action)
+        decisions = []
         for b, i in enumerate(idx):
             w = 1.0 if weight is None else float(weight[b])
-            self.last_row_decisions.append({
+            decisions.append((i, {
                 "episode_id": rows[i].get("episode_id", ""), "group_id": rows[i]["group_id"],
                 "kl_k1": float(k1[b]), "kl_k3": float(k3[b]), "known_tokens": int(known[b]), "weight": w,
-                "decision": "keep" if w == 1.0 else ("drop" if w == 0.0 else "downweight")})
-        return weight
+                "decision": "keep" if w == 1.0 else ("drop" if w == 0.0 else "downweight")}))
+        return weight, decisions
 
     def close(self) -> None:
         """Free the engine and release DeepSpeed's cached process groups, so a later trainer in this process starts.
@@ -317,11 +409,20 @@ class GRPOTrainer:
         """
         from deepspeed.utils import groups
 
+        self._lead("close")
         self.engine = self.model = None
         groups._release_process_group_references(None)
+        if self.world_size > 1:  # the group was this trainer's own: a later trainer joins a new one
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
     def save_state(self, directory: Path, tag: str) -> None:
-        """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly."""
+        """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly.
+
+        With several ranks each writes its own shard under ``directory`` on its own machine.
+        """
+        self._lead("save_state", directory, tag)
         self.engine.save_checkpoint(str(directory), tag=tag, client_state={"steps_done": self.steps_done})
 
     def load_state(self, directory: Path, tag: str) -> None:
@@ -332,25 +433,33 @@ class GRPOTrainer:
         """
         if not (directory / tag).is_dir():
             raise FileNotFoundError(f"{directory / tag}: no trainer state saved under this tag")
+        self._lead("load_state", directory, tag)
         _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         self.steps_done = int((client_state or {}).get("steps_done", 0))
 
     def fp32_state_dict(self) -> dict:
-        """Full float32 weights, whatever the ZeRO stage and forward dtype.
+        """Full float32 weights, whatever the ZeRO stage and forward dtype; a collective on every rank.
 
-        ZeRO <= 2 in fp32: the module's own parameters. Otherwise (bf16 forward, or ZeRO-3
-        partitions) the fp32 master weights through DeepSpeed's converter
-        (``get_fp32_state_dict_from_zero_checkpoint``), from a temporary checkpoint.
+        ZeRO <= 2 in fp32: the module's own parameters. Otherwise (bf16 forward, or ZeRO-3 partitions)
+        each parameter's fp32 master weight gathered from its partitions (DeepSpeed's
+        ``safe_get_full_fp32_param``), with the module's persistent buffers; nothing goes to disk.
         """
-        import tempfile
+        import torch
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+        self._lead("fp32_state_dict")
+        module = self.engine.module
         if self.forward_dtype == "float32" and self.engine.zero_optimization_stage() <= 2:
-            return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
-        with tempfile.TemporaryDirectory() as tmp:
-            self.engine.save_checkpoint(tmp, tag="export")
-            return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="export")
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        state = {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            if full is None and p.dtype != torch.float32:
+                raise RuntimeError(f"{name}: no fp32 master weight readable for a {p.dtype} parameter")
+            state[name] = (p.detach() if full is None else full).float().clone()
+        param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        state.update({k: v.detach().clone() for k, v in module.state_dict().items() if k not in param_names})
+        return state
 
     def export(self, out_dir: Path) -> Path:
         """Write the current fp32 weights as an HF safetensors folder; tied embeddings stay tied.

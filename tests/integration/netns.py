@@ -41,25 +41,27 @@ def _ip(*args: str) -> None:
 
 
 @contextmanager
-def nodes(count: int):
+def nodes(count: int, subnet: str = SUBNET):
     """Create ``count`` namespaced nodes on a fresh bridge; yields their :class:`Node` s; removes it all.
+
+    Test files that may run at once (pytest-xdist workers) each use a ``subnet`` (``a.b.c``) of their own.
 
     Raises:
         RuntimeError: the subnet is already routed on this machine (another test's bridge, or a real network).
     """
     routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
-    if f"{SUBNET}." in routes:
-        raise RuntimeError(f"{SUBNET}.0/24 is already routed here; remove it or change tests.integration.netns.SUBNET")
+    if f"{subnet}." in routes:
+        raise RuntimeError(f"{subnet}.0/24 is already routed here; remove it or change tests.integration.netns.SUBNET")
     tag = uuid.uuid4().hex[:6]
     bridge, made = f"art{tag}", []
     firewall = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]  # Docker's FORWARD policy drops bridged traffic
     try:
         _ip("link", "add", bridge, "type", "bridge")
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         subprocess.run(["iptables", "-I", *firewall], capture_output=True)
         for i in range(count):
-            node = Node(f"agentrl-{tag}-{i}", f"{SUBNET}.{i + 2}")
+            node = Node(f"agentrl-{tag}-{i}", f"{subnet}.{i + 2}")
             host_end, node_end = f"vh{tag}{i}", f"vn{tag}{i}"
             _ip("netns", "add", node.netns)
             made.append(node)

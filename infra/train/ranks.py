@@ -1,0 +1,126 @@
+"""Data-parallel trainer ranks: rank 0 is the run's trainer, the others follow it from any machine.
+
+Rank 0 (:class:`~infra.train.trainer.GRPOTrainer` with ``world_size`` > 1, inside the run's flow) binds
+``master``; every other rank is one process started on its machine, by hand, by a scheduler or by
+``torchrun``-style tooling::
+
+    python -m infra.train.ranks --master 10.0.0.1:29500 --rank 1 --world-size 2
+
+It joins the group, receives the trainer's arguments and the model's config from rank 0, builds the
+same DeepSpeed engine (weights: DeepSpeed broadcasts rank 0's at ``initialize``), then runs each method
+rank 0 runs (``step`` with the whole batch, ``save_state``, ``load_state``, ``fp32_state_dict``) until
+rank 0 closes the trainer; it then exits 0. It exits 1 when rank 0 goes away (its socket closes) or a
+command fails, which in turn fails rank 0's next collective rather than hanging it. Commands travel on
+a gloo group of their own whose timeout is long (a rank waits for the next step while the run
+collects rollouts); the default group's timeout (``--timeout-s``) bounds the join and each collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from datetime import timedelta
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT = timedelta(days=7)  # the longest a rank waits for rank 0's next command
+
+
+def join_ranks(rank: int, world_size: int, master: str, timeout_s: float):
+    """Join the data-parallel group ``world_size`` at ``master`` as ``rank``; returns the command group.
+
+    Sets the environment DeepSpeed reads (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` unless set,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and gloo's interface (``GLOO_SOCKET_IFNAME``, unless set: the
+    one this machine reaches the master through), then initializes torch.distributed (gloo on CPU,
+    NCCL on GPU) and a gloo group for commands.
+
+    Raises:
+        ValueError: ``master`` is not ``host:port``.
+        RuntimeError: the group did not form within ``timeout_s`` (a rank missing or unreachable).
+    """
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from infra.net import interface_toward
+
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"train.master {master!r}: expected host:port, an address every rank reaches")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=host, MASTER_PORT=port)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_toward(host))
+    if not torch.cuda.is_available():
+        from infra.train.trainer import _skip_shm_comm_op
+
+        _skip_shm_comm_op()
+    try:
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                                   timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # torch raises DistStoreError / RuntimeError on a join that timed out
+        raise RuntimeError(f"rank {rank} of {world_size}: the trainer group at {master} did not form within "
+                           f"{timeout_s:.0f} s ({type(e).__name__}: {e}); is every rank started and reachable?") from e
+    return dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+
+
+def send_command(group, command: str, *args) -> None:
+    """Rank 0: broadcast ``(command, args)`` to the other ranks on the command group."""
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([(command, args)], src=0, group=group)
+
+
+def _receive(group) -> tuple[str, tuple]:
+    import torch.distributed as dist
+
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def follow(rank: int, world_size: int, master: str, timeout_s: float) -> None:
+    """Run as ``rank`` of the group at ``master`` until rank 0 closes its trainer.
+
+    Raises:
+        RuntimeError: the group did not form, or rank 0 sent something other than ``init`` first.
+    """
+    from infra.train.trainer import GRPOTrainer
+
+    commands = join_ranks(rank, world_size, master, timeout_s)
+    command, args = _receive(commands)
+    if command != "init":
+        raise RuntimeError(f"rank {rank}: expected rank 0's init, got {command!r}")
+    hyper, model_config = args
+    trainer = GRPOTrainer(None, **hyper, world_size=world_size, model_config=model_config)
+    log.info("rank %d of %d: trainer built, following %s", rank, world_size, master)
+    while True:
+        command, args = _receive(commands)
+        if command == "close":
+            trainer.close()
+            return
+        getattr(trainer, command)(*args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m infra.train.ranks``: one trainer rank > 0 (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m infra.train.ranks", description=__doc__.split("\n")[0])
+    parser.add_argument("--master", required=True, help="rank 0's host:port (the run's train.master)")
+    parser.add_argument("--rank", type=int, required=True, help="this process's rank, 1 .. world size - 1")
+    parser.add_argument("--world-size", type=int, required=True, help="the run's train.world_size")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="wait this long for the group to form")
+    a = parser.parse_args(argv)
+    if not 0 < a.rank < a.world_size:
+        parser.error(f"--rank {a.rank}: expected 1 .. {a.world_size - 1} (rank 0 is the run's trainer)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        follow(a.rank, a.world_size, a.master, a.timeout_s)
+    except Exception as e:  # noqa: BLE001 - one line for the operator; rank 0 sees its collective fail
+        print(f"error: rank {a.rank}: {type(e).__name__}: {e}", file=sys.stderr)  # noqa: T201
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
