@@ -486,6 +486,16 @@ class TrainConfig(_Strict):
     """Save the trainer's full state (weights, AdamW moments, counters; a DeepSpeed checkpoint) after
     each step, in the run's local work dir (only the newest is kept), so a resumed run continues
     with its optimizer state. Off: a resumed run starts the optimizer fresh from the checkpoint."""
+    world_size: int = Field(1, ge=1, le=1024)
+    """Data-parallel trainer ranks. Rank 0 is the flow's process; each other rank is started on its
+    machine with ``python -m infra.train.ranks --master <master> --rank <r> --world-size <n>`` and
+    needs nothing else (arguments, model config and weights come from rank 0). The step equals a
+    one-rank step on the same batch. With a saved optimizer state each rank keeps its shard in the
+    run's work dir on its own machine (see the README, "Several machines")."""
+    master: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:[0-9]{1,5}$")
+    """Rank 0's ``host:port``: the flow machine binds it, every rank reaches it (world_size > 1)."""
+    ranks_timeout_s: float = Field(600.0, gt=0)
+    """How long rank 0 waits for the other ranks to join, and each collective for the slowest rank."""
 
 
 class EvalConfig(_Strict):
@@ -594,6 +604,9 @@ class RunConfig(_Strict):
         if isinstance(self.publish, ColocatedPublish) and not isinstance(self.engine, InprocEngine):
             raise ValueError("publish.kind = \"colocated\" needs engine.kind = \"inproc\" (the engine must share "
                              "the trainer's process); use \"direct\" or \"storage\" with servers")
+        if self.train.world_size > 1 and isinstance(self.engine, InprocEngine):
+            raise ValueError("train.world_size > 1 needs engine.kind = \"servers\" or \"remote\" (an in-process "
+                             "engine holds the trainer process's torch.distributed group)")
         return self
 
 

@@ -333,7 +333,8 @@ class Run:
                                         forward_dtype=t.forward_dtype, baseline=t.baseline,
                                         divergence_threshold=t.divergence_threshold,
                                         divergence_estimator=t.divergence_estimator,
-                                        divergence_action=t.divergence_action)
+                                        divergence_action=t.divergence_action, world_size=t.world_size,
+                                        master=t.master, ranks_timeout_s=t.ranks_timeout_s)
             if self._trainer_state:  # a resumed run: weights and AdamW moments as they were after that step
                 folder, tag = self._trainer_state
                 try:

@@ -25,6 +25,8 @@ from datetime import timedelta
 
 log = logging.getLogger(__name__)
 
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+"""What :func:`join_ranks` sets in the environment."""
 COMMAND_TIMEOUT = timedelta(days=7)  # the longest a rank waits for rank 0's next command
 
 
@@ -100,6 +102,7 @@ def follow(rank: int, world_size: int, master: str, timeout_s: float) -> None:
         if command == "close":
             trainer.close()
             return
+        log.info("rank %d: %s", rank, command)
         getattr(trainer, command)(*args)
 
 

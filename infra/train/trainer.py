@@ -158,11 +158,13 @@ class GRPOTrainer:
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
-        from infra.train.ranks import join_ranks
+        from infra.train.ranks import RANK_ENV, join_ranks
 
         if not torch.cuda.is_available():
             _skip_shm_comm_op()
+        self._env_before: dict[str, str | None] = {}
         if world_size > 1 and not dist.is_initialized():
+            self._env_before = {k: os.environ.get(k) for k in RANK_ENV}
             self._commands = join_ranks(0, world_size, master or "", ranks_timeout_s)
         elif world_size > 1 and dist.get_world_size() != world_size:
             raise ValueError(f"world_size {world_size}: this process's torch.distributed group already has "
@@ -416,6 +418,11 @@ class GRPOTrainer:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            for key, value in self._env_before.items():  # a later one-rank trainer in this process must not read them
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def save_state(self, directory: Path, tag: str) -> None:
         """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly.

@@ -58,7 +58,8 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
                                                                             tmp_path, monkeypatch):
     """``engine.kind = "remote"``: a server started with ``python -m infra.rollout.servers`` on another node
     serves a ``post_train`` step, then fetches v1 from S3 itself (presigned URLs, no S3 keys, no shared
-    folder), and a resumed run loads v1 into it the same way."""
+    folder), and a resumed run loads v1 into it the same way. The step trains on 2 ranks: the flow's
+    process and ``python -m infra.train.ranks`` on a third node (the loss scale: test_netns_trainer)."""
     import os
     import sys
     import time
@@ -74,6 +75,7 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
         RunConfig,
         StoragePublish,
         TaskSetConfig,
+        TrainConfig,
     )
     from infra.rollout.engine_auth import TOKEN_ENV
     from infra.run import Run
@@ -82,9 +84,13 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
     token = secrets.token_urlsafe(16)
     monkeypatch.setenv(TOKEN_ENV, token)
     s3_at = urlsplit(os.environ["AGENTRL_S3_ENDPOINT"])
-    with netns.nodes(1) as (node,), netns.forward((s3_at.hostname, s3_at.port)) as s3_port:
+    with netns.nodes(2) as (node, trainer_node), netns.forward((s3_at.hostname, s3_at.port)) as s3_port:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}  # no S3 keys there
+        master = f"{netns.HOST}:{free_port()}"
+        rank1 = subprocess.Popen([*trainer_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
+                                  master, "--rank", "1", "--world-size", "2"], env=env,
+                                 stdout=open(tmp_path / "rank1.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
         cli = subprocess.Popen([*node.launcher, sys.executable, "-m", "infra.rollout.servers", "--model",
                                 str(tiny_model), "--host", node.address, "--port", str(port), "--dtype", "float32",
                                 "--max-model-len", "1024", "--kv-cache-gib", "1", "--threads", "1",
@@ -101,9 +107,13 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
                 rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
                 eval=EvalConfig(enabled=False),
                 publish=StoragePublish(endpoint=f"http://{netns.HOST}:{s3_port}"),
+                train=TrainConfig(world_size=2, master=master, ranks_timeout_s=300),
             )
             (summary,) = post_train(config)
             assert summary["policy_version"] == 1 and not summary["checkpoint_refused"]
+            assert rank1.wait(60) == 0  # the run's end closed its trainer, and rank 1 with it
+            assert "rank 1: step" in (tmp_path / "rank1.log").read_text()
+            assert os.environ.get("WORLD_SIZE") in (None, "1")  # rank 0's group and environment are gone
             assert summary["publish_transfer_s"] > 0
             with Run.open(config) as run:
                 rows = read_step(s3, run.layout.trajectories(0)).to_pylist()
@@ -116,6 +126,7 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
             log = (tmp_path / "vllm.log").read_text()
             assert log.count("POST /collective_rpc") >= 4  # stage + poll + apply, twice
         finally:
+            rank1.kill()
             cli.terminate()  # the command line stops its server on SIGTERM
             cli.wait(timeout=60)
             deadline = time.monotonic() + 30
