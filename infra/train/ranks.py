@@ -95,7 +95,7 @@ def follow(rank: int, world_size: int, master: str, timeout_s: float) -> None:
     if command != "init":
         raise RuntimeError(f"rank {rank}: expected rank 0's init, got {command!r}")
     hyper, model_config = args
-    trainer = GRPOTrainer(None, **hyper, world_size=world_size, model_config=model_config)
+    trainer = GRPOTrainer(None, **hyper, world_size=world_size, model_config=model_config, command_group=commands)
     log.info("rank %d of %d: trainer built, following %s", rank, world_size, master)
     while True:
         command, args = _receive(commands)

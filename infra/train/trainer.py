@@ -102,6 +102,21 @@ def shard_rows(indices: list[int], lengths: list[int], world_size: int) -> list[
     return [[i for i in indices if owner[i] == r] for r in range(world_size)]
 
 
+def _read_folder(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by its relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _write_folder(folder: Path, files: dict[str, bytes], keep_existing: bool) -> None:
+    """Write :func:`_read_folder`'s output under ``folder`` (a file already there stays, with ``keep_existing``)."""
+    for rel, data in files.items():
+        path = folder / rel
+        if keep_existing and path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
 def eligible_rows(rows: list[dict]) -> list[dict]:
     """Rows that enter the gradient: infra failures and unverifiable episodes are left out."""
     return [r for r in rows if r["outcome"] not in EXCLUDED_OUTCOMES]
@@ -117,14 +132,14 @@ class GRPOTrainer:
                  mask_ratio_high: float | None = None, forward_dtype: str = "float32", baseline: str = "mean",
                  divergence_threshold: float | None = None, divergence_estimator: str = "k3",
                  divergence_action: str = "drop", world_size: int = 1, master: str | None = None,
-                 ranks_timeout_s: float = 600.0, model_config: dict | None = None):
+                 ranks_timeout_s: float = 600.0, model_config: dict | None = None, command_group=None):
         """Load the HF model in float32 and build the engine (AdamW, fp32 master weights).
 
         With ``world_size`` > 1 this process is rank 0 of a data-parallel group whose other ranks run
         ``python -m infra.train.ranks`` (see there): it binds ``master`` (``host:port``, an address the
         other ranks reach), waits up to ``ranks_timeout_s`` for them, and sends them these arguments and
         the model's config (they start from its config, DeepSpeed broadcasts rank 0's weights).
-        ``model_dir=None`` with ``model_config`` is how those ranks build theirs.
+        ``model_dir=None`` with ``model_config`` and their ``command_group`` is how those ranks build theirs.
 
         ``temperature``, ``top_p`` and ``top_k`` are the rollout's sampling parameters (``top_p`` 1 and
         ``top_k`` 0 off): the trainer's logprobs are those of the same truncated, renormalised
@@ -144,7 +159,8 @@ class GRPOTrainer:
             RuntimeError: the other ranks did not join within ``ranks_timeout_s``.
         """
         hyper = {k: v for k, v in locals().items()
-                 if k not in ("self", "model_dir", "world_size", "master", "ranks_timeout_s", "model_config")}
+                 if k not in ("self", "model_dir", "world_size", "master", "ranks_timeout_s", "model_config",
+                              "command_group")}
         if divergence_estimator not in ("k1", "k3") or divergence_action not in ("drop", "downweight"):
             raise ValueError(f"divergence estimator {divergence_estimator!r} / action {divergence_action!r} unknown")
         if zero_stage == 0 and forward_dtype == "bfloat16":
@@ -163,6 +179,7 @@ class GRPOTrainer:
         if not torch.cuda.is_available():
             _skip_shm_comm_op()
         self._env_before: dict[str, str | None] = {}
+        self._commands = command_group
         if world_size > 1 and not dist.is_initialized():
             self._env_before = {k: os.environ.get(k) for k in RANK_ENV}
             self._commands = join_ranks(0, world_size, master or "", ranks_timeout_s)
@@ -427,21 +444,46 @@ class GRPOTrainer:
     def save_state(self, directory: Path, tag: str) -> None:
         """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly.
 
-        With several ranks each writes its own shard under ``directory`` on its own machine.
+        With several ranks, rank 0's ``directory / tag`` ends up holding every rank's files: the others
+        save to a temporary folder and send theirs to rank 0 over the group, so one folder (which the
+        run may copy to S3) restores the whole group on any machines.
         """
+        import tempfile
+
+        import torch.distributed as dist
+
         self._lead("save_state", directory, tag)
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"steps_done": self.steps_done})
+        with tempfile.TemporaryDirectory(prefix="agentrl-state-") as tmp:
+            target = Path(directory) if self.rank == 0 else Path(tmp)
+            self.engine.save_checkpoint(str(target), tag=tag, client_state={"steps_done": self.steps_done})
+            if self.world_size == 1:
+                return
+            mine = {} if self.rank == 0 else _read_folder(target / tag)
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self._commands)
+            if self.rank == 0:
+                for files in gathered[1:]:
+                    _write_folder(target / tag, files, keep_existing=True)
 
     def load_state(self, directory: Path, tag: str) -> None:
         """Restore what :meth:`save_state` wrote (weights, optimizer moments, step counters).
 
+        With several ranks, rank 0 sends the folder's files to the others (they need not have any).
+
         Raises:
             FileNotFoundError: no checkpoint with that tag in ``directory``.
         """
-        if not (directory / tag).is_dir():
-            raise FileNotFoundError(f"{directory / tag}: no trainer state saved under this tag")
-        self._lead("load_state", directory, tag)
-        _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        import tempfile
+
+        if self.rank == 0 and not (Path(directory) / tag).is_dir():
+            raise FileNotFoundError(f"{Path(directory) / tag}: no trainer state saved under this tag")
+        if self.world_size > 1 and self.rank == 0:
+            self._lead("load_state", _read_folder(Path(directory) / tag), tag)
+        with tempfile.TemporaryDirectory(prefix="agentrl-state-") as tmp:
+            if self.rank != 0:  # ``directory`` is the files rank 0 sent
+                _write_folder(Path(tmp) / tag, directory, keep_existing=False)
+                directory = tmp
+            _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         self.steps_done = int((client_state or {}).get("steps_done", 0))
 
     def fp32_state_dict(self) -> dict:

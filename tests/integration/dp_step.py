@@ -3,7 +3,7 @@
 Run as its own process (a data-parallel group cannot share a pytest worker's torch.distributed state):
 ``python -m tests.integration.dp_step MODEL_DIR OUT_DIR --zero-stage 2 [--world-size 2 --master H:P]``.
 ``OUT_DIR`` gets ``weights.safetensors`` (the fp32 weights after the step), ``metrics.json`` and
-``decisions.json``.
+``decisions.json``; ``--save-state``/``--load-state`` save after / restore before the step.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 
-def hand_built_rows(tokenizer) -> list[dict]:
+def hand_built_rows(tokenizer, seed: int = 0) -> list[dict]:
     """Nine rows: two groups with mixed rewards, one without signal, one infra failure; lengths 8..40."""
     import torch
 
     prompt = tokenizer.encode("<|im_start|>user\ndo it<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     plan = [("a", 1.0), ("a", 0.0), ("a", 0.0), ("b", 0.0), ("b", 1.0), ("b", 1.0), ("c", 1.0), ("c", 1.0)]
     rows = []
     for i, (group, reward) in enumerate(plan):
@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--master", default=None)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--hold-s", type=float, default=0.0, help="sleep this long before the step")
+    parser.add_argument("--rows-seed", type=int, default=0)
+    parser.add_argument("--load-state", type=Path, default=None, help="restore tag 's' from this folder first")
+    parser.add_argument("--save-state", type=Path, default=None, help="save tag 's' to this folder after the step")
     a = parser.parse_args()
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -58,7 +61,11 @@ def main() -> None:
                           ranks_timeout_s=a.timeout_s)
     print("trainer built", flush=True)
     time.sleep(a.hold_s)
-    metrics = trainer.step(hand_built_rows(AutoTokenizer.from_pretrained(a.model_dir)))
+    if a.load_state:
+        trainer.load_state(a.load_state, "s")
+    metrics = trainer.step(hand_built_rows(AutoTokenizer.from_pretrained(a.model_dir), a.rows_seed))
+    if a.save_state:
+        trainer.save_state(a.save_state, "s")
     state = {k: v.contiguous() for k, v in trainer.fp32_state_dict().items()}
     a.out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(a.out_dir / "weights.safetensors"))

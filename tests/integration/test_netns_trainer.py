@@ -43,26 +43,12 @@ def _result(out: Path) -> tuple[dict, dict, list]:
             json.loads((out / "decisions.json").read_text()))
 
 
-def test_a_two_rank_step_across_namespaces_equals_the_one_rank_step(tiny_model, tmp_path):
-    """ZeRO-2, fp32: same loss, same gradient norm (the loss scale: DeepSpeed averages over ranks), same
-    weights within float tolerance (micro-batches differ: 9 rows as 2-row micro-batches on 1 rank, as
-    shards of ~100 tokens each on 2, a short rank repeating a row at weight 0)."""
+def _assert_same_step(one: Path, two: Path) -> None:
     import torch
 
-    one = _step((), tiny_model, tmp_path / "one")
-    assert one.wait(300) == 0, (tmp_path / "one.log").read_text()[-3000:]
-    with netns.nodes(2, SUBNET) as (a, b):
-        master = f"{a.address}:{free_port()}"
-        rank0 = _step(a.launcher, tiny_model, tmp_path / "two", "--world-size", "2", "--master", master)
-        rank1 = _follower(b.launcher, master, tmp_path / "rank1.log")
-        assert rank0.wait(300) == 0, (tmp_path / "two.log").read_text()[-3000:]
-        assert rank1.wait(60) == 0, (tmp_path / "rank1.log").read_text()[-3000:]  # rank 0's close ends it
-    follower_log = (tmp_path / "rank1.log").read_text()
-    assert f"rank 1 of 2: trainer built, following {master}" in follower_log
-
-    w1, m1, d1 = _result(tmp_path / "one")
-    w2, m2, d2 = _result(tmp_path / "two")
-    assert m2["loss_tokens"] == m1["loss_tokens"] == 197 and m2["rows_with_signal"] == m1["rows_with_signal"] == 6
+    w1, m1, d1 = _result(one)
+    w2, m2, d2 = _result(two)
+    assert m2["loss_tokens"] == m1["loss_tokens"] and m2["rows_with_signal"] == m1["rows_with_signal"] == 6
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6)
     # without the world-size factor DeepSpeed's averaging halves it (and the weights move otherwise)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
@@ -73,6 +59,31 @@ def test_a_two_rank_step_across_namespaces_equals_the_one_rank_step(tiny_model, 
     assert w2.keys() == w1.keys()
     for key in w1:
         torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=2e-5, msg=key)  # an update moves ~1e-3
+
+
+def test_two_ranks_across_namespaces_step_save_and_resume_as_one_rank_does(tiny_model, tmp_path):
+    """ZeRO-2, fp32. Step 1 on 2 ranks equals step 1 on 1 (same loss, same gradient norm: the loss scale,
+    as DeepSpeed averages over ranks; same weights within float tolerance: the micro-batches differ, 9
+    rows as 2-row micro-batches on 1 rank, as token-balanced shards on 2, a short rank repeating a row at
+    weight 0). Its saved state (one folder on rank 0's node: rank 1 sent its optimizer shard) restores a
+    new group whose rank 1 starts on the other node with nothing, and step 2 equals the 1-rank run's."""
+    for phase, args in (("1", ("--save-state", str(tmp_path / "state-{n}"))),
+                        ("2", ("--load-state", str(tmp_path / "state-{n}"), "--rows-seed", "1"))):
+        one = _step((), tiny_model, tmp_path / f"one{phase}", *(x.format(n=1) for x in args))
+        assert one.wait(300) == 0, (tmp_path / f"one{phase}.log").read_text()[-3000:]
+        with netns.nodes(2, SUBNET) as (a, b):
+            master = f"{a.address}:{free_port()}"
+            rank0 = _step(a.launcher, tiny_model, tmp_path / f"two{phase}", "--world-size", "2", "--master", master,
+                          *(x.format(n=2) for x in args))
+            rank1 = _follower(b.launcher, master, tmp_path / f"rank1-{phase}.log")
+            assert rank0.wait(300) == 0, (tmp_path / f"two{phase}.log").read_text()[-3000:]
+            assert rank1.wait(60) == 0, (tmp_path / f"rank1-{phase}.log").read_text()[-3000:]  # ended by rank 0's close
+        assert f"rank 1 of 2: trainer built, following {master}" in (tmp_path / f"rank1-{phase}.log").read_text()
+        _assert_same_step(tmp_path / f"one{phase}", tmp_path / f"two{phase}")
+        if phase == "1":
+            assert sorted(p.name for p in (tmp_path / "state-2" / "s").iterdir()) == [
+                "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def test_a_follower_exits_when_rank_0_is_killed_and_rank_0_fails_when_no_follower_joins(tiny_model, tmp_path):
