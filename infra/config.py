@@ -486,6 +486,10 @@ class TrainConfig(_Strict):
     """Save the trainer's full state (weights, AdamW moments, counters; a DeepSpeed checkpoint) after
     each step, in the run's local work dir (only the newest is kept), so a resumed run continues
     with its optimizer state. Off: a resumed run starts the optimizer fresh from the checkpoint."""
+    state_storage: Literal["local", "s3"] = "local"
+    """Where the saved trainer state lives beyond the work dir: ``s3`` also uploads it beside the
+    checkpoints (``trainer-state/vN``, the newest two kept; ~3x the fp32 weights), so a run resumed on
+    another machine continues with its optimizer state; ``local``: only on the machine that saved it."""
     world_size: int = Field(1, ge=1, le=1024)
     """Data-parallel trainer ranks. Rank 0 is the flow's process; each other rank is started on its
     machine with ``python -m infra.train.ranks --master <master> --rank <r> --world-size <n>`` and

@@ -18,6 +18,9 @@ from pathlib import Path
 _CHECKPOINT = re.compile(r"/checkpoints/v(\d+)/?$")
 
 
+TRAINER_STATE_COMPLETE = "COMPLETE"
+
+
 def repo_root() -> Path:
     """The project's root folder (relative config paths resolve against it)."""
     return Path(__file__).resolve().parent.parent
@@ -87,6 +90,13 @@ class RunLayout:
     def checkpoints_dir(self) -> str:
         """The folder of the checkpoints (no scheme: an s3fs path)."""
         return f"{self.bucket}/{self.prefix}/{self.run_id}/checkpoints"
+
+    def trainer_state(self, version: int) -> str:
+        """Folder of the trainer state saved with ``v{version}`` (``train.state_storage = "s3"``).
+
+        Complete once it holds :data:`TRAINER_STATE_COMPLETE` (written last).
+        """
+        return f"{self.root}/trainer-state/v{version}"
 
     def eval_report(self, version: int, dtype: str = "", mismatch: bool = False) -> str:
         """``eval.json`` (serving precision) or, for another precision, ``eval-{dtype}-not-serving.json``."""

@@ -25,7 +25,7 @@ from typing import assert_never
 from envs.task import Task
 from infra.config import AsyncScheduler, InprocEngine, RemoteEngine, RunConfig, ServersEngine
 from infra.environments import BASE_IMAGE, Catalog, load_run_tasks
-from infra.layout import RunLayout, resolve_path
+from infra.layout import TRAINER_STATE_COMPLETE, RunLayout, resolve_path
 from infra.lineage import ModelAsset
 from infra.preflight import preflight
 
@@ -189,15 +189,34 @@ class Run:
         """Serve the run's newest published checkpoint (:meth:`serve_published`); returns the next step.
 
         Step ``s`` is committed when ``v{s+1}`` has a complete manifest, so the next step is the number of
-        published versions. A trainer state saved with that version on this machine is restored when
-        the trainer starts (``train.save_optimizer_state``).
+        published versions. A trainer state saved with that version on this machine (or, with
+        ``train.state_storage = "s3"``, on S3) is restored when the trainer starts (``train.save_optimizer_state``).
         """
         policy = self.serve_published()
         self.resumed_version = policy.version
         state = self.trainer_state_dir / f"v{policy.version}"
-        if policy.version and self._trainer is None and self.config.train.save_optimizer_state and state.is_dir():
-            self._trainer_state = (state.parent, state.name)
+        if policy.version and self._trainer is None and self.config.train.save_optimizer_state:
+            if not state.is_dir() and self.config.train.state_storage == "s3":
+                self._fetch_trainer_state(policy.version, state)
+            if state.is_dir():
+                self._trainer_state = (state.parent, state.name)
         return policy.version
+
+    def _fetch_trainer_state(self, version: int, local: Path) -> None:
+        """Download the complete trainer state ``v{version}`` from S3 into ``local`` (absent or partial: nothing)."""
+        uri = self.layout.trainer_state(version)
+        if not self.fs.exists(f"{uri}/{TRAINER_STATE_COMPLETE}"):
+            log.info("no complete trainer state v%d on S3 (%s); the optimizer starts fresh", version, uri)
+            return
+        partial = local.with_name(local.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        for path in self.fs.find(uri):
+            rel = path.split(uri.removeprefix("s3://").rstrip("/") + "/", 1)[1]
+            if rel != TRAINER_STATE_COMPLETE:
+                (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(partial / rel))
+        partial.rename(local)
+        log.info("trainer state v%d fetched from %s", version, uri)
 
     @property
     def base_model(self) -> ModelAsset:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from infra.layout import TRAINER_STATE_COMPLETE
 from infra.run import Run
 from infra.store import read_step, write_divergence
 from infra.summary import RolloutStats, TrainStats
@@ -51,7 +52,8 @@ def save_trainer_state(run: Run, version: int) -> float:
 
     Returns the seconds taken. Called before checkpoint vN is published; the previous tag is kept
     until the next save, so the newest *published* version still has its state if this run dies
-    before vN's manifest lands (a resume on another machine starts the optimizer fresh).
+    before vN's manifest lands. With ``train.state_storage = "s3"`` the folder is also uploaded
+    (:func:`upload_trainer_state`); otherwise a resume on another machine starts the optimizer fresh.
     """
     root = run.trainer_state_dir
     start = time.monotonic()
@@ -59,4 +61,20 @@ def save_trainer_state(run: Run, version: int) -> float:
     saved = sorted((p for p in root.iterdir() if p.is_dir() and p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
     for old in saved[:-2]:
         shutil.rmtree(old, ignore_errors=True)
+    if run.config.train.state_storage == "s3":
+        upload_trainer_state(run, version)
     return time.monotonic() - start
+
+
+def upload_trainer_state(run: Run, version: int) -> None:
+    """Copy the local state ``v{version}`` to ``RunLayout.trainer_state(version)``; keep the newest two there."""
+    local, uri = run.trainer_state_dir / f"v{version}", run.layout.trainer_state(version)
+    if run.fs.exists(uri):
+        run.fs.rm(uri, recursive=True)  # a step redone after a crash: no file of the earlier save stays
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        run.fs.put_file(str(path), f"{uri}/{path.relative_to(local)}")
+    run.fs.pipe_file(f"{uri}/{TRAINER_STATE_COMPLETE}", b"")
+    parent = uri.rsplit("/", 1)[0]
+    tags = sorted((p.rsplit("/", 1)[1] for p in run.fs.ls(parent, refresh=True)), key=lambda t: int(t[1:]))
+    for old in tags[:-2]:
+        run.fs.rm(f"{parent}/{old}", recursive=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ max_tokens_per_turn = 16
 max_turns = 1
 [eval]
 enabled = false
+[train]
+state_storage = "s3"
 """)
     env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
            "PREFECT_HOME": str(tmp_path / "prefect")}
@@ -64,6 +67,9 @@ enabled = false
             os.killpg(first.pid, signal.SIGKILL)
     s3.invalidate_cache()
     assert not s3.exists(f"{root}/checkpoints/v2/manifest.json")
+    assert s3.exists(f"{root}/trainer-state/v1/COMPLETE")
+    # the rerun is on another machine: this one's saved trainer states are gone, S3's are not
+    shutil.rmtree(RunLayout("agentrl", "runs", run_id).work / "trainer-state")
 
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
@@ -79,8 +85,10 @@ enabled = false
     assert len(ids) == len(set(ids))  # no duplicate rows
     by_step = dict(zip(hist.column("step").to_pylist(), hist.column("min_policy_version").to_pylist(), strict=True))
     assert by_step == {0: 0, 1: 1}  # step 1 was sampled by the resumed policy v1
-    # the trainer continued from the state saved with v1 (AdamW moments included), not a fresh optimizer
+    # the trainer continued from the state saved with v1 (AdamW moments included, fetched from S3), not a
+    # fresh optimizer
     import json
 
     resumed = json.loads(s3.cat_file(f"{root}/summaries/step-000001.json"))
     assert resumed["trainer_state_restored"] == "v1" and resumed["policy_version"] == 2
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trainer-state")) == ["v1", "v2"]
