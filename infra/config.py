@@ -498,6 +498,12 @@ class TrainConfig(_Strict):
     run's work dir on its own machine (see the README, "Several machines")."""
     master: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:[0-9]{1,5}$")
     """Rank 0's ``host:port``: the flow machine binds it, every rank reaches it (world_size > 1)."""
+    launch: Literal["external", "ray"] = "external"
+    """How ranks 1.. start (world_size > 1): ``external``, by you on each machine (``python -m
+    infra.train.ranks``); ``ray``, as Ray actors the run starts in a placement group (one CPU each,
+    spread over the nodes) on the cluster at ``ray_address``."""
+    ray_address: str = ""
+    """The Ray cluster for ``launch = "ray"``; empty: the one this process is connected to, else a local one."""
     ranks_timeout_s: float = Field(600.0, gt=0)
     """How long rank 0 waits for the other ranks to join, and each collective for the slowest rank."""
 

@@ -60,6 +60,7 @@ class Run:
         self._pool = None
         self._engine = None
         self._trainer = None
+        self._ray_ranks = None  # ranks 1.. as Ray actors (train.launch = "ray")
         self._collector = None
         self._tasks: dict[str, Task] | None = None
         self._catalog: Catalog | None = None
@@ -342,6 +343,10 @@ class Run:
             from infra.train.trainer import GRPOTrainer
 
             t = self.config.train
+            if t.world_size > 1 and t.launch == "ray":
+                from infra.train.ranks import RayRanks
+
+                self._ray_ranks = RayRanks(t.world_size, t.master, t.ranks_timeout_s, t.ray_address)
             self._trainer = GRPOTrainer(self._policy.weights_dir, lr=t.lr, zero_stage=t.zero_stage,
                                         grad_clip=t.grad_clip, micro_batch_rows=t.micro_batch_rows,
                                         tis_cap=t.tis_cap, temperature=self.config.rollout.temperature,
@@ -440,10 +445,11 @@ class Run:
         collector, self._collector = self._collector, None
         engine, self._engine = self._engine, None
         trainer, self._trainer = self._trainer, None
+        ranks, self._ray_ranks = self._ray_ranks, None
         pool, self._pool = self._pool, None
         egress = self._backend.egress if self._backend is not None else None
-        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer), ("warm pool", pool),
-                            ("egress proxy", egress)):
+        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer),
+                            ("trainer ranks", ranks), ("warm pool", pool), ("egress proxy", egress)):
             if thing is None:
                 continue
             try:

@@ -6,6 +6,7 @@ Rank 0 (:class:`~infra.train.trainer.GRPOTrainer` with ``world_size`` > 1, insid
 
     python -m infra.train.ranks --master 10.0.0.1:29500 --rank 1 --world-size 2
 
+or, with ``train.launch = "ray"``, as Ray actors the run starts itself (:func:`start_ray_ranks`).
 It joins the group, receives the trainer's arguments and the model's config from rank 0, builds the
 same DeepSpeed engine (weights: DeepSpeed broadcasts rank 0's at ``initialize``), then runs each method
 rank 0 runs (``step`` with the whole batch, ``save_state``, ``load_state``, ``fp32_state_dict``) until
@@ -104,6 +105,66 @@ def follow(rank: int, world_size: int, master: str, timeout_s: float) -> None:
             return
         log.info("rank %d: %s", rank, command)
         getattr(trainer, command)(*args)
+
+
+class _RayRank:
+    """A Ray actor holding one rank > 0 (its own worker process, as ``python -m infra.train.ranks`` would be)."""
+
+    def follow(self, rank: int, world_size: int, master: str, timeout_s: float) -> str:
+        import socket
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        follow(rank, world_size, master, timeout_s)
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class RayRanks:
+    """Ranks 1 .. world_size - 1 as Ray actors in one placement group (one CPU each, spread over nodes)."""
+
+    def __init__(self, world_size: int, master: str, timeout_s: float, address: str = ""):
+        """Start the actors; each joins rank 0 at ``master`` (which must be up within ``timeout_s``).
+
+        ``address``: the Ray cluster (``ray://`` or ``host:port``); empty: the cluster this process is
+        connected to, else a local Ray instance.
+
+        Raises:
+            RuntimeError: the placement group could not be placed within ``timeout_s`` (too few CPUs).
+        """
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            local = {} if address else {"include_dashboard": False, "object_store_memory": 256 * 1024**2}
+            ray.init(address=address or None, log_to_driver=False, **local)
+        self._pg = placement_group([{"CPU": 1}] * (world_size - 1), strategy="SPREAD")
+        try:
+            ray.get(self._pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            ray.util.remove_placement_group(self._pg)
+            raise RuntimeError(f"train.launch = \"ray\": {world_size - 1} rank(s) of 1 CPU each could not be placed "
+                               f"on the Ray cluster within {timeout_s:.0f} s") from e
+        actor = ray.remote(num_cpus=1)(_RayRank)
+        self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)).remote()
+                       for i in range(world_size - 1)]
+        self._done = [a.follow.remote(i + 1, world_size, master, timeout_s) for i, a in enumerate(self.actors)]
+
+    def close(self, timeout_s: float = 60.0) -> list[str]:
+        """Wait for the actors to end (after rank 0's trainer closed), then free them; returns ``host:pid`` of each.
+
+        Raises:
+            RuntimeError: an actor failed (its error), or did not end within ``timeout_s``.
+        """
+        import ray
+
+        try:
+            return ray.get(self._done, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - RayTaskError, GetTimeoutError: reported with the rank's cause
+            raise RuntimeError(f"a Ray trainer rank did not end cleanly: {type(e).__name__}: {e}") from e
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            ray.util.remove_placement_group(self._pg)
 
 
 def main(argv: list[str] | None = None) -> int:

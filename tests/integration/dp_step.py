@@ -46,14 +46,17 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--hold-s", type=float, default=0.0, help="sleep this long before the step")
     parser.add_argument("--rows-seed", type=int, default=0)
+    parser.add_argument("--ray", action="store_true", help="start the other ranks as Ray actors (local Ray)")
     parser.add_argument("--load-state", type=Path, default=None, help="restore tag 's' from this folder first")
     parser.add_argument("--save-state", type=Path, default=None, help="save tag 's' to this folder after the step")
     a = parser.parse_args()
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    from infra.train.ranks import RayRanks
     from infra.train.trainer import GRPOTrainer
 
+    ranks = RayRanks(a.world_size, a.master, a.timeout_s) if a.ray else None
     trainer = GRPOTrainer(a.model_dir, lr=1e-3, zero_stage=a.zero_stage, grad_clip=1e9,
                           micro_batch_rows=a.micro_batch_rows, tis_cap=2.0, temperature=1.0, top_p=1.0, top_k=0,
                           scale_by_std=False, mask_truncated=False, max_seq_len=512, forward_dtype=a.forward_dtype,
@@ -72,6 +75,8 @@ def main() -> None:
     (a.out_dir / "metrics.json").write_text(json.dumps(metrics))
     (a.out_dir / "decisions.json").write_text(json.dumps(trainer.last_row_decisions))
     trainer.close()
+    if ranks is not None:
+        (a.out_dir / "ray_ranks.json").write_text(json.dumps(ranks.close()))
 
 
 if __name__ == "__main__":

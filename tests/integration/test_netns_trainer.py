@@ -111,3 +111,14 @@ def test_a_follower_exits_when_rank_0_is_killed_and_rank_0_fails_when_no_followe
         assert alone.wait(120) != 0
     log = (tmp_path / "alone.log").read_text()
     assert "the trainer group at" in log and "did not form within 5 s" in log, log[-3000:]
+
+
+def test_ranks_launched_as_ray_actors_step_as_one_rank_does(tiny_model, tmp_path):
+    """``train.launch = "ray"``: rank 1 is a Ray actor (a local Ray instance here) in a placement group."""
+    one = _step((), tiny_model, tmp_path / "one")
+    two = _step((), tiny_model, tmp_path / "two", "--world-size", "2", "--master", f"127.0.0.1:{free_port()}", "--ray")
+    assert one.wait(300) == 0, (tmp_path / "one.log").read_text()[-3000:]
+    assert two.wait(300) == 0, (tmp_path / "two.log").read_text()[-3000:]
+    (actor,) = json.loads((tmp_path / "two" / "ray_ranks.json").read_text())
+    assert int(actor.rsplit(":", 1)[1]) != two.pid  # rank 1 ran in a Ray worker process
+    _assert_same_step(tmp_path / "one", tmp_path / "two")
