@@ -71,7 +71,7 @@ bench-egress: up
 bench-gateway: model
 	$(PY) -m benchmarks.gateway_overhead --calls 24 --max-tokens 32
 
-bench-multinode: up
+bench-multinode: up model
 	$(SERVICES) && $(PY) -m benchmarks.multinode_step
 
 bench-rollout: up model

@@ -8,7 +8,10 @@ Layouts alternate within each round (the first run after a pause is slower on th
 each run's stage seconds (``rollout_s``, ``train_s``, ``publish_s``, ``step_s``) and the 3-ns / 1-node
 ratio of the medians. Needs root (namespaces), ``make up`` services and the model.
 
-Usage: ``python -m benchmarks.multinode_step [--rounds 2] [--model PATH]``.
+The step is the first of ``--config`` (default the quickstart: SmolLM2-135M, mixed rewards, so the
+optimizer steps), without evaluation.
+
+Usage: ``python -m benchmarks.multinode_step [--rounds 2] [--config configs/quickstart.toml]``.
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("rollout_s", "train_s", "publish_s", "step_s")
 
 
-def _config(model: str, engine, train, publish):
-    from infra.config import EvalConfig, ModelConfig, RolloutConfig, RunConfig, TaskSetConfig
+def _config(base: Path, engine, world_size: int = 1, master: str = "127.0.0.1:29500", publish_endpoint: str = ""):
+    """``base`` (one step, no evaluation) under a fresh run id, with this layout's engine, ranks and endpoint."""
+    from infra.config import load_config
 
-    return RunConfig(run_id=f"bench-mn-{uuid.uuid4().hex[:8]}", steps=1,
-                     model=ModelConfig(path=model, max_model_len=1024, kv_cache_gib=1.0),
-                     tasks=TaskSetConfig(humaneval_train=4, humaneval_eval=0), engine=engine,
-                     rollout=RolloutConfig(tasks_per_step=4, group_size=4, max_tokens_per_turn=64, max_turns=1, seed=7),
-                     eval=EvalConfig(enabled=False), publish=publish, train=train)
+    c = load_config(base, steps=1, **{"eval.enabled": False})
+    return c.model_copy(update={
+        "run_id": f"bench-mn-{uuid.uuid4().hex[:8]}", "engine": engine,
+        "train": c.train.model_copy(update={"world_size": world_size, "master": master}),
+        "publish": c.publish.model_copy(update={"endpoint": publish_endpoint} if publish_endpoint else {})})
 
 
 def _run(config) -> dict:
@@ -53,19 +57,22 @@ def _run(config) -> dict:
     return out
 
 
-def one_node(model: str) -> dict:
+def one_node(base: Path) -> dict:
     """The step with everything on this machine; its stage seconds."""
-    from infra.config import ServersEngine, StoragePublish, TrainConfig
+    from infra.config import ServersEngine
 
-    return _run(_config(model, ServersEngine(count=1), TrainConfig(), StoragePublish()))
+    return _run(_config(base, ServersEngine(count=1, threads=1)))
 
 
-def three_namespaces(model: str, log_dir: Path) -> dict:
+def three_namespaces(base: Path, log_dir: Path) -> dict:
     """The step with the engine and trainer rank 1 on two namespaced nodes; its stage seconds."""
-    from infra.config import RemoteEngine, StoragePublish, TrainConfig
+    from infra.config import RemoteEngine, load_config
+    from infra.model import resolve_model
     from infra.rollout.engine_auth import TOKEN_ENV
     from tests.integration import netns
 
+    m = load_config(base).model
+    model = str(resolve_model(m.path))
     os.environ[TOKEN_ENV] = secrets.token_urlsafe(16)
     s3_at = urlsplit(os.environ["AGENTRL_S3_ENDPOINT"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}  # no S3 keys there
@@ -74,8 +81,10 @@ def three_namespaces(model: str, log_dir: Path) -> dict:
         s3_port = stack.enter_context(netns.forward((s3_at.hostname, s3_at.port)))
         port, master = free_port(), f"{netns.HOST}:{free_port()}"
         server = subprocess.Popen([*engine_node.launcher, sys.executable, "-m", "infra.rollout.servers", "--model",
-                                   model, "--host", engine_node.address, "--port", str(port), "--dtype", "float32",
-                                   "--max-model-len", "1024", "--kv-cache-gib", "1", "--threads", "1",
+                                   model, "--host", engine_node.address, "--port", str(port),
+                                   "--dtype", m.serving_dtype,
+                                   "--max-model-len", str(m.max_model_len), "--kv-cache-gib", str(m.kv_cache_gib),
+                                   "--threads", "1",
                                    "--log", str(log_dir / "vllm.log")], env=env, stdout=subprocess.PIPE, text=True,
                                   cwd=ROOT)
         stack.callback(lambda: (server.terminate(), server.wait(60)))
@@ -86,29 +95,26 @@ def three_namespaces(model: str, log_dir: Path) -> dict:
                                   master, "--rank", "1", "--world-size", "2"], env=env, cwd=ROOT,
                                  stdout=open(log_dir / "rank1.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
         stack.callback(rank1.kill)
-        return _run(_config(model, RemoteEngine(urls=[url]), TrainConfig(world_size=2, master=master),
-                            StoragePublish(endpoint=f"http://{netns.HOST}:{s3_port}")))
+        return _run(_config(base, RemoteEngine(urls=[url]), 2, master, f"http://{netns.HOST}:{s3_port}"))
 
 
 def main() -> None:
     """Alternate the two layouts ``--rounds`` times; print each run and the medians' ratios; save them as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--model", default="", help="HF model folder (default: the tiny test Llama, built here)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/quickstart.toml",
+                        help="the run config whose first step is timed (its engine and ranks are replaced)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/multinode_step.json")
     a = parser.parse_args()
     import tempfile
 
-    from infra.model import build_tiny_llama
-
     work = Path(tempfile.mkdtemp(prefix="bench-mn-"))
-    model = a.model or str(build_tiny_llama(work / "tiny-llama"))
     runs: dict[str, list[dict]] = {"1-node": [], "3-ns": []}
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # Prefect's own, if no API
     for r in range(a.rounds):
         order = ("1-node", "3-ns") if r % 2 == 0 else ("3-ns", "1-node")
         for layout in order:
-            result = one_node(model) if layout == "1-node" else three_namespaces(model, work)
+            result = one_node(a.config) if layout == "1-node" else three_namespaces(a.config, work)
             runs[layout].append(result)
             print(f"round {r} {layout}: {json.dumps(result)}", flush=True)
     medians = {lay: {k: statistics.median(x[k] for x in rs) for k in STAGES} for lay, rs in runs.items()}
@@ -116,7 +122,7 @@ def main() -> None:
         print(f"{k}: 1-node {medians['1-node'][k]:.1f}  3-ns {medians['3-ns'][k]:.1f}  "
               f"ratio 3-ns/1-node {medians['3-ns'][k] / max(medians['1-node'][k], 1e-9):.2f}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"runs": runs, "medians": medians, "model": a.model or "tiny-llama"}, indent=1))
+    a.out.write_text(json.dumps({"runs": runs, "medians": medians, "config": a.config.name}, indent=1))
 
 
 if __name__ == "__main__":
