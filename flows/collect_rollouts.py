@@ -70,8 +70,10 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
 
 
 def _collect_on_ray(run: Run, task_ids: list[str], step: int, deps: list[str], ray_address: str) -> dict:
+    from infra.environments import BASE_IMAGE
     from infra.rollout.engine_auth import TOKEN_ENV
     from infra.rollout.servers import RemoteServer
+    from infra.sandbox.image_ship import stage_images
     from tasks.fanout import collect_groups, ray_task_runner
     from tasks.lineage import as_asset
     from tasks.rollouts import store_step
@@ -83,14 +85,18 @@ def _collect_on_ray(run: Run, task_ids: list[str], step: int, deps: list[str], r
     servers = [{**vars(h), "token": None} for h in handles]
     runner = ray_task_runner(ray_address, env={TOKEN_ENV: token} if token else None)
     fan = collect_groups.with_options(task_runner=runner)
-    gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step,
-                   run.catalog.images())
+    images = run.catalog.images()
+    # workers on other nodes have their own engines: the images go by S3, loaded where missing
+    shipped = stage_images(run.fs, run.backend.client, {tag for tag, _ in images.values()} | {BASE_IMAGE},
+                           run.layout.images_dir)
+    gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step, images, shipped)
     store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)
     result = as_asset(store, run.layout.trajectories(step), deps)(run, step, gathered["rows"], [], {},
                                                                   gathered["wall_s"])
     print(f"step {step}: {result.rows} rows from {len(task_ids)} groups on Ray, reward mean "
           f"{result.reward_mean:.3f}, {result.outcomes}")
-    return {**asdict(result), "fan_out": "ray", "worker_pids": gathered["worker_pids"]}
+    return {**asdict(result), "fan_out": "ray", "worker_pids": gathered["worker_pids"],
+            "images_loaded": gathered["loaded"]}
 
 
 if __name__ == "__main__":

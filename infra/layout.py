@@ -87,6 +87,11 @@ class RunLayout:
         return f"{self.root}/checkpoints/v{version}"
 
     @property
+    def images_dir(self) -> str:
+        """Task image archives for other nodes' engines, by image id, shared by the runs of the prefix (s3fs path)."""
+        return f"{self.bucket}/{self.prefix}/images"
+
+    @property
     def checkpoints_dir(self) -> str:
         """The folder of the checkpoints (no scheme: an s3fs path)."""
         return f"{self.bucket}/{self.prefix}/{self.run_id}/checkpoints"

@@ -25,11 +25,16 @@ from tasks.naming import stage_run_name
 
 @task(name="collect_group", task_run_name=stage_run_name("collect_group"), cache_policy=NO_CACHE)
 def collect_group(config: RunConfig, servers: list[dict], policy_version: int, task_obj: Task, group_index: int,
-                  step: int, images: dict[str, tuple[str, str]]) -> dict:
-    """One group on a fan-out worker: ``{"rows": its rows (retries included, as Collector.collect), "pid"}``.
+                  step: int, images: dict[str, tuple[str, str]],
+                  shipped: dict[str, tuple[str, str]] | None = None) -> dict:
+    """One group on a fan-out worker: its rows (retries included, as Collector.collect), pid, images loaded.
+
+    Returns ``{"rows", "pid", "loaded": refs this worker's engine loaded from S3}``.
 
     ``servers``: ``RemoteServer`` fields (url, model_dir, max_model_len, dtype) of the run's engines, their
     token in ``$AGENTRL_ENGINE_TOKEN``; ``config.engine`` is ``servers`` or ``remote`` (its ``routing`` applies).
+    ``shipped``: the images staged on S3 (``infra.sandbox.image_ship``); the worker's engine (``DOCKER_HOST``)
+    loads those it lacks, from S3 (``AGENTRL_S3_ENDPOINT`` and ``AWS_*`` of the worker).
     """
     from transformers import AutoTokenizer
 
@@ -42,27 +47,34 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
                           policy_version=policy_version)
     try:
-        collector = Collector(engine, DockerBackend(), CollectSettings.of(r), code_image=BASE_IMAGE)
+        backend, loaded = DockerBackend(), []
+        if shipped:
+            from infra.sandbox.image_ship import ensure_images
+            from infra.storage import s3_filesystem
+
+            loaded = ensure_images(s3_filesystem(config.storage.bucket), backend.client, shipped)
+        collector = Collector(engine, backend, CollectSettings.of(r), code_image=BASE_IMAGE)
         rows = collector.collect(config.run_id, step, [task_obj], images, first_group=group_index)
-        return {"rows": rows, "pid": os.getpid()}
+        return {"rows": rows, "pid": os.getpid(), "loaded": loaded}
     finally:
         engine.close()
 
 
 @flow(name="collect_groups_fan_out")
 def collect_groups(config: RunConfig, servers: list[dict], policy_version: int, tasks: list[Task], step: int,
-                   images: dict[str, tuple[str, str]]) -> dict:
+                   images: dict[str, tuple[str, str]], shipped: dict[str, tuple[str, str]] | None = None) -> dict:
     """Submit one ``collect_group`` per task to this flow's task runner and gather the rows.
 
     Returns:
         ``{"rows": all rows, by group, "wall_s": seconds until the last group came back,
-        "worker_pids": the process of each group}``.
+        "worker_pids": the process of each group, "loaded": images loaded by a worker's engine}``.
     """
     start = time.monotonic()
-    futures = [collect_group.submit(config, servers, policy_version, t, i, step, images) for i, t in enumerate(tasks)]
+    futures = [collect_group.submit(config, servers, policy_version, t, i, step, images, shipped)
+               for i, t in enumerate(tasks)]
     parts = [f.result() for f in futures]
     return {"rows": [row for p in parts for row in p["rows"]], "wall_s": time.monotonic() - start,
-            "worker_pids": [p["pid"] for p in parts]}
+            "worker_pids": [p["pid"] for p in parts], "loaded": sorted({i for p in parts for i in p["loaded"]})}
 
 
 def ray_task_runner(address: str = "", env: dict[str, str] | None = None):

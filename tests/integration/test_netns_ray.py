@@ -1,0 +1,137 @@
+"""Rollouts on a Ray worker node in another network namespace, in sandboxes on that node's own Docker engine.
+
+The Ray head runs on the flow machine's bridge address with no CPUs, so every group lands on the
+node; the node's dockerd (its own data root and socket, started in the namespace) has none of the
+task images: the flow stages them on S3 by image id and the node's workers load them. The node
+reaches S3 through a forwarder on the bridge and the run's vLLM server at its bridge address.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from infra.net import free_port
+from tests.integration import netns
+
+pytestmark = pytest.mark.integration  # Ray, two dockerds, a vLLM server, S3, a network namespace (root)
+
+SUBNET = "10.231.10"  # not another netns test file's: they may run at once
+HOST = f"{SUBNET}.1"
+
+
+def _nsenter(node) -> list[str]:
+    """Enter the node's network namespace only (``ip netns exec`` remounts /sys: dockerd then finds no cgroups)."""
+    return ["nsenter", f"--net=/var/run/netns/{node.netns}"]
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> None:
+    """Signal ``proc``'s process group (it started a session) and wait for ``proc``."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _creates(client, since: float, until: float, episodes: set[str]) -> int:
+    """Containers of ``episodes`` (ids) created on ``client``'s engine between ``since`` and ``until``."""
+    events = client.events(since=int(since), until=int(until) + 1, decode=True,
+                           filters={"type": "container", "event": "create"})
+    return sum(1 for e in events if e["Actor"]["Attributes"].get("agentrl.episode") in episodes)
+
+
+def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, services_env, tmp_path, monkeypatch):
+    import docker
+    import psutil
+
+    from flows.build_envs import build_envs
+    from flows.collect_rollouts import collect_rollouts
+    from infra.config import EvalConfig, ModelConfig, RolloutConfig, RunConfig, ServersEngine, TaskSetConfig
+    from infra.environments import BASE_IMAGE
+    from infra.layout import repo_root
+    from infra.run import Run
+    from infra.store import read_step
+
+    terminal = tmp_path / "terminal"
+    shutil.copytree(repo_root() / "envs/terminal/hello-file", terminal / "hello-file")
+    run_id = f"raynode-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(
+        run_id=run_id, steps=1, model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
+        tasks=TaskSetConfig(terminal_dir=str(terminal), humaneval_train=1, humaneval_eval=0, sandbox_network="none"),
+        engine=ServersEngine(count=1, host=HOST),
+        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
+        eval=EvalConfig(enabled=False))
+    ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}  # the cluster's own token
+    for k, v in ray_env.items():
+        monkeypatch.setenv(k, v)
+    ray = str(Path(sys.executable).with_name("ray"))
+    s3_at = urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
+    docker_dir = Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}")  # short: the socket path has a limit
+    with ExitStack() as stack:
+        (node,) = stack.enter_context(netns.nodes(1, SUBNET))
+        s3_port = stack.enter_context(netns.forward((s3_at.hostname, s3_at.port), host=HOST))
+        stack.callback(shutil.rmtree, docker_dir, ignore_errors=True)
+        socket = f"unix://{docker_dir}/docker.sock"
+        dockerd = subprocess.Popen([*_nsenter(node), "dockerd", "--data-root", str(docker_dir / "data"), "--exec-root",
+                                    str(docker_dir / "exec"), "--pidfile", str(docker_dir / "pid"), "-H", socket,
+                                    "--bridge=none", "--iptables=false", "--ip6tables=false"],
+                                   stdout=open(tmp_path / "dockerd.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                   start_new_session=True)
+        stack.callback(_stop, dockerd)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                node_docker = docker.DockerClient(base_url=socket, timeout=120)  # asks the engine's API version
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert time.monotonic() < deadline and dockerd.poll() is None, (tmp_path / "dockerd.log").read_text()
+                time.sleep(0.5)
+        assert not node_docker.images.list()  # the node's engine starts with no image at all
+
+        port = free_port()
+        head = subprocess.Popen([ray, "start", "--head", f"--node-ip-address={HOST}", f"--port={port}", "--num-cpus=0",
+                                 "--include-dashboard=false", "--disable-usage-stats", "--block",
+                                 f"--object-store-memory={200 * 1024**2}"],
+                                stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                start_new_session=True)
+        head_tree: list = []
+        stack.callback(lambda: [p.kill() for p in head_tree if p.is_running()])
+        stack.callback(_stop, head, signal.SIGKILL)
+        node_env = {**os.environ, "DOCKER_HOST": socket, "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}"}
+        worker = subprocess.Popen([*_nsenter(node), ray, "start", f"--address={HOST}:{port}",
+                                   f"--node-ip-address={node.address}", "--num-cpus=2", "--disable-usage-stats",
+                                   "--block", f"--object-store-memory={200 * 1024**2}"], env=node_env,
+                                  stdout=open(tmp_path / "ray-node.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                  start_new_session=True)
+        stack.callback(_stop, worker, signal.SIGKILL)
+
+        build_envs(config)  # on the flow machine's engine
+        head_tree[:] = psutil.Process(head.pid).children(recursive=True)
+        started = time.time()
+        result = collect_rollouts(config, step=0, fan_out="ray", ray_address=f"{HOST}:{port}")
+        ended = time.time()
+
+        assert result["worker_pids"] and os.getpid() not in result["worker_pids"]
+        with Run.open(config) as run:
+            images = {tag for tag, _ in run.catalog.images().values()}
+        assert set(result["images_loaded"]) == images | {BASE_IMAGE}  # shipped through S3, loaded there
+        rows = read_step(s3, result["uri"]).to_pylist()
+        assert len(rows) == result["rows"] >= 4 and not [r for r in rows if r["outcome"] == "infra_failure"]
+        episodes = {r["episode_id"] for r in rows}
+        assert _creates(node_docker, started, ended, episodes) == len(episodes)  # a sandbox per episode, there
+        assert _creates(docker.from_env(), started, ended, episodes) == 0  # none on the flow machine's engine
+        node_docker.close()
