@@ -106,8 +106,10 @@ def main() -> None:
                         help="the run config whose first step is timed (its engine and ranks are replaced)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/multinode_step.json")
     a = parser.parse_args()
+    import signal
     import tempfile
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark still removes its namespaces
     work = Path(tempfile.mkdtemp(prefix="bench-mn-"))
     runs: dict[str, list[dict]] = {"1-node": [], "3-ns": []}
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # Prefect's own, if no API

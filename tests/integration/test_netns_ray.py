@@ -47,6 +47,14 @@ def _stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> No
             proc.wait(10)
 
 
+def _ports() -> list[str]:
+    """Free ports for a Ray node's fixed-port services (defaults such as 52365 and 10001 would collide with
+    another Ray on this machine, e.g. test_ray's, running at the same time)."""
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+    return [f"--{n}={free_port()}" for n in names]
+
+
 def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     """Containers of ``episodes`` (ids) created on ``client``'s engine between ``since`` and ``until``."""
     events = client.events(since=int(since), until=int(until) + 1, decode=True,
@@ -105,7 +113,8 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
         port = free_port()
         head = subprocess.Popen([ray, "start", "--head", f"--node-ip-address={HOST}", f"--port={port}", "--num-cpus=0",
                                  "--include-dashboard=false", "--disable-usage-stats", "--block",
-                                 f"--object-store-memory={200 * 1024**2}"],
+                                 f"--object-store-memory={200 * 1024**2}", f"--ray-client-server-port={free_port()}",
+                                 *_ports()],
                                 stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 start_new_session=True)
         head_tree: list = []
@@ -114,7 +123,7 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
         node_env = {**os.environ, "DOCKER_HOST": socket, "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}"}
         worker = subprocess.Popen([*_nsenter(node), ray, "start", f"--address={HOST}:{port}",
                                    f"--node-ip-address={node.address}", "--num-cpus=2", "--disable-usage-stats",
-                                   "--block", f"--object-store-memory={200 * 1024**2}"], env=node_env,
+                                   "--block", f"--object-store-memory={200 * 1024**2}", *_ports()], env=node_env,
                                   stdout=open(tmp_path / "ray-node.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                   start_new_session=True)
         stack.callback(_stop, worker, signal.SIGKILL)
