@@ -178,14 +178,15 @@ class GRPOTrainer:
 
         if not torch.cuda.is_available():
             _skip_shm_comm_op()
-        self._env_before: dict[str, str | None] = {}
+        # a group this trainer starts is its own: close() ends it and restores the environment it set
+        self._owns_group = not dist.is_initialized()
+        self._env_before = {k: os.environ.get(k) for k in RANK_ENV} if self._owns_group else {}
         self._commands = command_group
         if world_size > 1 and not dist.is_initialized():
-            self._env_before = {k: os.environ.get(k) for k in RANK_ENV}
             self._commands = join_ranks(0, world_size, master or "", ranks_timeout_s)
         elif world_size > 1 and dist.get_world_size() != world_size:
             raise ValueError(f"world_size {world_size}: this process's torch.distributed group already has "
-                             f"{dist.get_world_size()} rank(s) (an in-process engine's); "
+                             f"{dist.get_world_size()} rank(s) (an in-process engine's, or a trainer's not closed); "
                              "use engine.kind servers or remote")
         else:
             # A single process: DeepSpeed reads these even when vLLM already set up the (gloo) group.
@@ -425,21 +426,23 @@ class GRPOTrainer:
         DeepSpeed caches a clone of the world group; the in-process vLLM engine's shutdown destroys the
         world it belongs to, and a new trainer would then fail on the stale clone ("Group ... is not
         registered"). DeepSpeed's own world teardown releases them the same way (``deepspeed.comm``).
+        A group this trainer started (one rank or several) is destroyed, so a later trainer in this
+        process may use another world size.
         """
         from deepspeed.utils import groups
 
         self._lead("close")
         self.engine = self.model = None
         groups._release_process_group_references(None)
-        if self.world_size > 1:  # the group was this trainer's own: a later trainer joins a new one
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if self._owns_group and dist.is_initialized():  # a later trainer in this process starts its own group
             dist.destroy_process_group()
-            for key, value in self._env_before.items():  # a later one-rank trainer in this process must not read them
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        for key, value in self._env_before.items():  # nor reads this one's rank, world size or port
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     def save_state(self, directory: Path, tag: str) -> None:
         """Save weights and optimizer state (DeepSpeed checkpoint) so a resumed run continues exactly.

@@ -8,6 +8,19 @@ import torch
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _no_group_left():
+    """These tests leave their trainers open: end the process group they made, as ``GRPOTrainer.close`` would,
+    so a later test in this worker (a trainer with another world size) starts its own."""
+    yield
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if dist.is_initialized():
+        groups._release_process_group_references(None)
+        dist.destroy_process_group()
+
+
 def _rows(tokenizer):
     prompt = tokenizer.encode("<|im_start|>user\ndo it<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     torch.manual_seed(0)
@@ -199,3 +212,19 @@ def test_token_outside_the_kept_set_is_counted_and_trains_finitely(tiny_model, t
     assert m["unkept_frac"] == pytest.approx(1 / total)
     assert m["loss"] == m["loss"] and m["grad_norm"] > 0 and m["update_norm"] > 0  # finite, and it trained
     assert m["logprob_abs_diff"] < 1e-5  # the other tokens still match exactly
+
+
+def test_close_ends_the_group_the_trainer_started_and_restores_its_environment(tiny_model, monkeypatch):
+    """So a later trainer in this process may have another world size (a 2-rank run after a 1-rank one)."""
+    import os
+
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert not dist.is_initialized()
+    trainer = _trainer(tiny_model, micro_batch_rows=2)
+    assert dist.get_world_size() == 1 and os.environ["WORLD_SIZE"] == "1"
+    trainer.close()
+    assert not dist.is_initialized()
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
