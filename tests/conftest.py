@@ -44,7 +44,8 @@ def _engine_lock(exclusive: bool):
 # files to its xdist workers in collection order (--no-loadscope-reorder): longest first, so no worker
 # idles at the end while the other runs a long file. Files not named keep their order, after these.
 _LONGEST_FIRST = ("test_post_train", "test_real_tasks", "test_tamper", "test_third_party_harnesses", "test_resume",
-                  "test_post_train_servers", "test_base_images", "test_servers", "test_ray", "test_sandbox",
+                  "test_post_train_servers", "test_netns_engine", "test_netns_trainer", "test_netns_ray",
+                  "test_base_images", "test_servers", "test_ray", "test_sandbox",
                   "test_isolation", "test_compose", "test_deployments", "test_prefect_backend", "test_shell")
 
 

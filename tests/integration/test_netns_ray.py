@@ -72,6 +72,7 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
     from infra.environments import BASE_IMAGE
     from infra.layout import repo_root
     from infra.run import Run
+    from infra.sandbox.image_ship import stage_images
     from infra.store import read_step
 
     terminal = tmp_path / "terminal"
@@ -136,11 +137,18 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
 
         assert result["worker_pids"] and os.getpid() not in result["worker_pids"]
         with Run.open(config) as run:
-            images = {tag for tag, _ in run.catalog.images().values()}
-        assert set(result["images_loaded"]) == images | {BASE_IMAGE}  # shipped through S3, loaded there
+            images, images_dir = {tag for tag, _ in run.catalog.images().values()} | {BASE_IMAGE}, run.layout.images_dir
+        assert set(result["images_loaded"]) == images  # shipped through S3, loaded there
+        flow_docker = docker.from_env()
+        archives = {f"{images_dir}/{flow_docker.images.get(i).id.removeprefix('sha256:')}.tar" for i in images}
+        s3.invalidate_cache()
+        uploaded = {a: s3.info(a)["LastModified"] for a in archives}
+        assert {a for _, a in stage_images(s3, flow_docker, images, images_dir).values()} == archives
+        s3.invalidate_cache()
+        assert {a: s3.info(a)["LastModified"] for a in archives} == uploaded  # once per image id: not again
         rows = read_step(s3, result["uri"]).to_pylist()
         assert len(rows) == result["rows"] >= 4 and not [r for r in rows if r["outcome"] == "infra_failure"]
         episodes = {r["episode_id"] for r in rows}
         assert _creates(node_docker, started, ended, episodes) == len(episodes)  # a sandbox per episode, there
-        assert _creates(docker.from_env(), started, ended, episodes) == 0  # none on the flow machine's engine
+        assert _creates(flow_docker, started, ended, episodes) == 0  # none on the flow machine's engine
         node_docker.close()
