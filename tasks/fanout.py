@@ -87,5 +87,7 @@ def ray_task_runner(address: str = "", env: dict[str, str] | None = None):
     runtime = {"runtime_env": {"env_vars": dict(env)}} if env else {}
     if address:
         return RayTaskRunner(address=address, init_kwargs=runtime)
-    return RayTaskRunner(init_kwargs={"include_dashboard": False, "object_store_memory": 256 * 1024**2,
-                                      "log_to_driver": False, **runtime})
+    # "local": a new instance even when this machine runs a cluster (`ray start`), which ray.init() would join
+    return RayTaskRunner(address="local", init_kwargs={"include_dashboard": False,
+                                                       "object_store_memory": 256 * 1024**2, "log_to_driver": False,
+                                                       **runtime})

@@ -136,7 +136,8 @@ class RayRanks:
 
         if not ray.is_initialized():
             local = {} if address else {"include_dashboard": False, "object_store_memory": 256 * 1024**2}
-            ray.init(address=address or None, log_to_driver=False, **local)
+            # "local": a new instance even when this machine runs a cluster (`ray start`), which ray.init() would join
+            ray.init(address=address or "local", log_to_driver=False, **local)
         self._pg = placement_group([{"CPU": 1}] * (world_size - 1), strategy="SPREAD")
         try:
             ray.get(self._pg.ready(), timeout=timeout_s)

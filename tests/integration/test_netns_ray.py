@@ -9,7 +9,6 @@ reaches S3 through a forwarder on the bridge and the run's vLLM server at its br
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -55,6 +54,13 @@ def _ports() -> list[str]:
     return [f"--{n}={free_port()}" for n in names]
 
 
+def _forget_cluster(address: str) -> None:
+    """Remove Ray's record of the cluster ``ray start --head`` made (a plain ray.init() would try to join it)."""
+    record = Path("/tmp/ray/ray_current_cluster")
+    if record.exists() and address in record.read_text():
+        record.unlink()
+
+
 def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     """Containers of ``episodes`` (ids) created on ``client``'s engine between ``since`` and ``until``."""
     events = client.events(since=int(since), until=int(until) + 1, decode=True,
@@ -84,10 +90,12 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
         engine=ServersEngine(count=1, host=HOST),
         rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
         eval=EvalConfig(enabled=False))
-    ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}  # the cluster's own token
-    for k, v in ray_env.items():
-        monkeypatch.setenv(k, v)
     ray = str(Path(sys.executable).with_name("ray"))
+    # Token auth with this machine's Ray token (~/.ray/auth_token, made if missing): Ray caches the token a
+    # process used, so a token of our own would break a later local ray.init() in this pytest worker
+    token = subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, text=True, check=True)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token.stdout.strip().splitlines()[-1])
     s3_at = urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
     docker_dir = Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}")  # short: the socket path has a limit
     with ExitStack() as stack:
@@ -119,6 +127,7 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
                                 stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 start_new_session=True)
         head_tree: list = []
+        stack.callback(_forget_cluster, f"{HOST}:{port}")
         stack.callback(lambda: [p.kill() for p in head_tree if p.is_running()])
         stack.callback(_stop, head, signal.SIGKILL)
         node_env = {**os.environ, "DOCKER_HOST": socket, "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}"}
