@@ -29,8 +29,6 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
         tasks: load the configured task sources (fatal errors only; a broken task is reported
             by ``build_envs`` and does not stop the others).
 
-    With ``train.world_size`` > 1, ``train.master`` must be free to bind on this machine (rank 0's).
-
     Raises:
         RunInputError: the first input that cannot be used, by name.
     """
@@ -59,16 +57,6 @@ def preflight(config: RunConfig, *, docker: bool = True, model: bool = True, tas
             load_run_tasks(config.tasks)
         except (TaskError, ValueError, TypeError) as e:
             raise RunInputError(f"tasks: {e}") from e
-    if config.train.world_size > 1:  # rank 0 binds train.master in this process
-        import socket
-
-        host, _, port = config.train.master.rpartition(":")
-        try:
-            with socket.create_server((host, int(port))):
-                pass
-        except OSError as e:
-            raise RunInputError(f"train.master {config.train.master}: this machine cannot bind it ({e.strerror}); "
-                                "it must be an address of the flow's machine, free, that every rank reaches") from e
     if model and isinstance(config.engine, RemoteEngine):  # the servers answer, with the token
         from infra.rollout.servers import connect_remote
 

@@ -30,10 +30,7 @@ from tests.helpers import run_cli
      'engine.kind = "remote": $AGENTRL_ENGINE_TOKEN is not set'),
     ('[engine]\nkind = "remote"\nurls = ["http://127.0.0.1:9"]\n', {"AGENTRL_ENGINE_TOKEN": "t"},
      "engine.urls: http://127.0.0.1:9 cannot be reached"),
-    ('[engine]\nkind = "servers"\n[train]\nworld_size = 2\nmaster = "192.0.2.1:29500"\n', {},
-     "train.master 192.0.2.1:29500: this machine cannot bind it"),
-], ids=["model", "terminal_dir", "eval_ids", "code_file", "docker", "eval_dtype", "remote_token", "remote_url",
-        "train_master"])
+], ids=["model", "terminal_dir", "eval_ids", "code_file", "docker", "eval_dtype", "remote_token", "remote_url"])
 def test_unusable_input_is_one_error_line_and_nothing_is_written(services_env, s3, tmp_path, toml, env, message):
     run_id = f"cli-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "run.toml"

@@ -141,6 +141,14 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
         build_envs(config)  # on the flow machine's engine
         head_tree[:] = psutil.Process(head.pid).children(recursive=True)
         started = time.time()
+        # the node's Ray workers report their task runs to the Prefect API: reachable on the bridge only
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        api = PREFECT_API_URL.value()
+        if api:
+            api_at = urlsplit(api)
+            api_port = stack.enter_context(netns.forward((api_at.hostname, api_at.port), host=HOST))
+            stack.enter_context(temporary_settings({PREFECT_API_URL: f"http://{HOST}:{api_port}{api_at.path}"}))
         result = collect_rollouts(config, step=0, fan_out="ray", ray_address=f"{HOST}:{port}")
         ended = time.time()
 
