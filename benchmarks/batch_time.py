@@ -52,6 +52,11 @@ def summarize(name: str, per_step: list[dict]) -> dict:
             "first_s": ttb[0], "straggler_tail_s": [m["straggler_tail_s"] for m in per_step],
             "carried_in": [m["groups_carried_in"] for m in per_step],
             "dropped_stale": sum(m["dropped_stale"] for m in per_step),
+            "samples_dropped": sum(m["samples_dropped"] for m in per_step),
+            "batch_samples": [m["batch_samples"] for m in per_step],
+            "groups_split": sum(m.get("groups_split", 0) for m in per_step),
+            "samples_carried": sum(m.get("samples_carried", 0) for m in per_step),
+            "sample_lag_max": [m.get("sample_lag_max", 0) for m in per_step],
             "sample_lag_mean": [m.get("sample_lag_mean", 0.0) for m in per_step],
             "steady_sample_lag_mean": statistics.mean(m.get("sample_lag_mean", 0.0) for m in per_step[1:] or per_step),
             "per_step": per_step}
@@ -70,11 +75,14 @@ def run_steps(collector: AsyncCollector, tasks: list, n_groups: int, steps: int,
             launched += n_groups
         batch = collector.next_batch(n_groups)
         m = dict(batch.metrics)
+        m["samples_dropped"] = sum(g.group_size for g in batch.dropped)
         rows += batch.train_rows()
         per_step.append(m)
         print(f"  step {step}: time to batch {m['time_to_batch_s']:.1f} s, straggler tail "
               f"{m['straggler_tail_s']:.1f} s, carried in {m['groups_carried_in']}, episode p50/max "
-              f"{m['episode_s_p50']:.1f}/{m['episode_s_max']:.1f} s", flush=True)
+              f"{m['episode_s_p50']:.1f}/{m['episode_s_max']:.1f} s, {m['batch_samples']} samples, token lag mean/max "
+              f"{m['sample_lag_mean']:.2f}/{m['sample_lag_max']}, split {m.get('groups_split', 0)}, "
+              f"dropped {m['samples_dropped']} samples", flush=True)
         time.sleep(train_s * clock_scale)
         collector.update_weights(lambda v=step + 1: reload(v), step + 1)
     return per_step, rows
@@ -83,11 +91,12 @@ def run_steps(collector: AsyncCollector, tasks: list, n_groups: int, steps: int,
 # -- fleet scale (simulated engines and sandboxes) ------------------------------------------
 def fleet(model: FleetModel, batch: int, group_size: int, replicas: int, slots: int, steps: int, train_s: float,
           overprovision: float, time_scale: float, seed: int, max_policy_lag: int = 1,
-          max_mean_token_lag: float | None = None) -> dict:
+          max_mean_token_lag: float | None = None, partial_group_min_samples: int = 0) -> dict:
     """Run both configurations on the simulated fleet; figures in simulated seconds.
 
     ``max_policy_lag`` and ``max_mean_token_lag`` bound the optimized configuration's ready bank
-    (``infra.rollout.scheduler.ReadyBank``); the naive one keeps ``max_policy_lag = 1``.
+    (``infra.rollout.scheduler.ReadyBank``); the naive one keeps ``max_policy_lag = 1``. With
+    ``partial_group_min_samples`` the optimized one trains partial groups (batches of ``batch`` samples).
     """
     n_groups = batch // group_size
     tasks = [f"task{i % 50}" for i in range(n_groups * (steps + 2) * 2)]
@@ -104,7 +113,8 @@ def fleet(model: FleetModel, batch: int, group_size: int, replicas: int, slots: 
             # an episode runs once it has a sandbox: the worker queue (FIFO, launch order) holds the rest
             max_concurrent_episodes=slots, max_policy_lag=max_policy_lag if opt else 1, episode_deadline_s=1e9,
             in_launch_order=not opt, prefetch=opt, seed=seed, clock=lambda: time.monotonic() / time_scale,
-            max_mean_token_lag=max_mean_token_lag if opt else None)
+            max_mean_token_lag=max_mean_token_lag if opt else None,
+            partial_group_min_samples=partial_group_min_samples if opt else 0)
 
         def reload(version: int, runner=runner) -> None:
             runner.policy_version = version
@@ -239,8 +249,8 @@ def report(scale: str, results: dict) -> None:
     print(f"\n{scale}: time to trainable batch, steady mean over steps 1..: naive {n['steady_mean_s']:.1f} s, "
           f"optimized {o['steady_mean_s']:.1f} s, reduction {100 * red:.1f}%  (first step: naive {n['first_s']:.1f} s, "
           f"optimized {o['first_s']:.1f} s, reduction {100 * (1 - o['first_s'] / n['first_s']):.1f}%)")
-    for k in ("steady_sample_lag_mean", "dropped_stale", "prefix_cache_hit_rate", "engine_idle_frac",
-              "sandbox_acquire_p50_s", "generation_tokens_per_s"):
+    for k in ("steady_sample_lag_mean", "dropped_stale", "samples_dropped", "groups_split", "samples_carried",
+              "prefix_cache_hit_rate", "engine_idle_frac", "sandbox_acquire_p50_s", "generation_tokens_per_s"):
         if k in n:
             print(f"  {k}: naive {n[k]:.3f}, optimized {o[k]:.3f}")
     results["reduction_steady"] = red
@@ -270,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-policy-lag", type=int, default=1, help="the optimized fleet's bound on the oldest token")
     p.add_argument("--max-mean-token-lag", type=float, default=None,
                    help="the optimized fleet's bound on the tokens' mean lag (default: none)")
+    p.add_argument("--partial-group-min-samples", type=int, default=0,
+                   help="the optimized fleet trains a group's finished samples once this many are done (0: off)")
     p.add_argument("--fit", default=str(RESULTS / "batch_fit.json"),
                    help="fleet model JSON (written by the real scale), or a workload file with sources "
                         "(benchmarks/workloads/published_swe.json)")
@@ -289,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_workload(fit_path) if fit_path.exists() else FleetModel()
         print(f"fleet model from {fit_path if fit_path.exists() else 'defaults'}: {model.to_dict()}")
         res = fleet(model, a.fleet_batch, a.fleet_group_size, a.fleet_replicas, a.fleet_sandboxes, a.steps + 1,
-                    a.fleet_train_s, a.overprovision, a.time_scale, a.seed, a.max_policy_lag, a.max_mean_token_lag)
+                    a.fleet_train_s, a.overprovision, a.time_scale, a.seed, a.max_policy_lag, a.max_mean_token_lag,
+                    a.partial_group_min_samples)
         report(f"fleet scale (B={a.fleet_batch}, simulated)", res)
         out["fleet"] = res
     Path(a.out).write_text(json.dumps(out, indent=1, default=str))

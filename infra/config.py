@@ -214,6 +214,21 @@ class AsyncScheduler(_Strict):
     """Zero-variance groups skipped, and fresh groups submitted to replace them, per batch at most (skipped
     ones are stored in ``dropped/``, never trained); past it, or when no group is left in flight,
     zero-variance groups fill the batch, so a step never waits forever."""
+    partial_group_min_samples: int = Field(0, ge=0, le=63)
+    """0: a group trains only once all G samples are done. ``k`` in ``[2, G)``: when complete groups fall short
+    of a batch, a group with ``k`` finished samples trains those now (its GRPO baseline from them alone) and
+    its running samples are carried, trained as a part of their own when they finish (a part of one sample,
+    or of equal rewards, carries no signal). Batches then count ``tasks_per_step * G`` samples. Not with
+    ``dynamic_sampling``."""
+
+    @model_validator(mode="after")
+    def _check_partial(self):
+        if self.partial_group_min_samples == 1:
+            raise ValueError("partial_group_min_samples: 1 gives parts with no GRPO baseline; use 0 (off) or >= 2")
+        if self.partial_group_min_samples and self.dynamic_sampling:
+            raise ValueError("partial_group_min_samples does not combine with dynamic_sampling (a part's reward "
+                             "variance is not its group's)")
+        return self
 
 
 class SyncScheduler(_Strict):
@@ -365,6 +380,14 @@ class RolloutConfig(_Strict):
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)
     """Cap on idle started sandboxes per image."""
+
+    @model_validator(mode="after")
+    def _check_partial_groups(self):
+        k = getattr(self.scheduler, "partial_group_min_samples", 0)
+        if k and k >= self.group_size:
+            raise ValueError(f"scheduler.partial_group_min_samples = {k} must be below group_size = "
+                             f"{self.group_size} (or 0, off)")
+        return self
 
 
 class InprocEngine(_Strict):

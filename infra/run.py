@@ -409,7 +409,7 @@ class Run:
                 max_infra_retries=r.max_infra_retries, update_policy=s.update_policy, prefetch=s.prefetch,
                 policy_version=self._policy.version, seed=r.seed, retry_backoff_s=s.retry_backoff_s,
                 dynamic_sampling=s.dynamic_sampling, max_extra_groups=s.max_extra_groups,
-                max_mean_token_lag=s.max_mean_token_lag)
+                max_mean_token_lag=s.max_mean_token_lag, partial_group_min_samples=s.partial_group_min_samples)
         return self._collector
 
     # -- tasks and the catalog -----------------------------------------------------------------

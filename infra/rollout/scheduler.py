@@ -23,6 +23,14 @@ groups until they are in hand, straggler tail included. Three mechanisms, and an
   is not needed; it skips at most ``max_extra_groups`` per batch (dropped as ``zero_variance``, with
   their rows; never trained). Past that bound, or when nothing more can come, they fill the batch,
   so a step is never wedged.
+- **Partial groups** (optional: ``partial_group_min_samples = k``). A batch is then counted in
+  samples (``n_groups * G``), not groups: when the bank's complete groups fall short, a group in
+  flight with at least ``k`` finished samples is split at the moment the batch is taken; its
+  finished samples train now as one part (their GRPO baseline from those samples only: advantages
+  are computed per group id within a batch), and its running samples are carried as the group's
+  remainder, banked and trained as a part of their own when they finish. A group completes at its
+  slowest sibling; on long-tailed agentic episodes that sibling holds the whole group (the idea of
+  training on partial groups is prime-rl's; AReaL and slime carry unfinished rollouts instead).
 
 Weight updates (:meth:`AsyncCollector.update_weights`) follow ``update_policy`` for episodes in
 flight: ``finish`` stops launching, lets in-flight episodes finish on the old weights, then
@@ -116,6 +124,7 @@ class Group:
     attempts: list[Attempt] = field(default_factory=list)
     completed_s: float = 0.0
     dropped: str = ""
+    part: int = 0  # 0: the whole group, or its first part; k: the k-th part split off (partial groups)
     _tokens_by_version: Counter | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -169,6 +178,29 @@ class Group:
     def final_rows(self) -> list[dict]:
         """The G final rows, by sample index."""
         return [self.final[i].row for i in sorted(self.final)]
+
+    def split(self, now_s: float) -> Group:
+        """Split off the finished samples as a complete part, returned; ``self`` becomes the remainder.
+
+        The part keeps the group id, its finished samples' final rows and every attempt of those
+        samples; the remainder keeps the running samples (``group_size`` less the finished ones), their
+        earlier failed attempts, and ``part + 1``. Sample indices are kept, so seeds and rows stay the
+        group's own.
+
+        Raises:
+            ValueError: nothing finished, or every sample did (a complete group is not split).
+        """
+        if not self.final or self.complete:
+            raise ValueError(f"group {self.group_id}: split needs some, not all, samples finished "
+                             f"({len(self.final)}/{self.group_size})")
+        done = set(self.final)
+        part = Group(self.group_id, self.task, self.launch_index, len(done), self.launched_s,
+                     final=dict(self.final), attempts=[a for a in self.attempts if a.row["sample_index"] in done],
+                     completed_s=now_s, part=self.part)
+        self.group_size -= len(done)
+        self.final, self.part = {}, self.part + 1
+        self.attempts = [a for a in self.attempts if a.row["sample_index"] not in done]
+        return part
 
     @property
     def reward_varies(self) -> bool:
@@ -264,6 +296,26 @@ class ReadyBank:
         self._groups = [g for g in self._groups if g not in taken]
         return taken
 
+    def take_samples(self, n_samples: int, current_version: int) -> list[Group]:
+        """Remove and return eligible groups, first completed first, until they hold ``n_samples`` final rows.
+
+        Fewer when the bank holds fewer; the last group taken may overshoot (groups are not cut here).
+        Stale groups are dropped first, as in :meth:`take`.
+        """
+        self.expire(current_version)
+        taken, rows = [], 0
+        for g in self._groups:
+            if rows >= n_samples:
+                break
+            taken.append(g)
+            rows += len(g.final)
+        self._groups = [g for g in self._groups if g not in taken]
+        return taken
+
+    def eligible_samples(self, current_version: int) -> int:
+        """Final rows of the eligible banked groups."""
+        return sum(len(g.final) for g in self.eligible_groups(current_version))
+
     def usable(self, current_version: int, max_skip: int) -> int:
         """Groups :meth:`take_with_signal` would put in a batch now if ``n`` were unbounded.
 
@@ -354,7 +406,7 @@ class AsyncCollector:
                  policy_version: int = 0, seed: int = 0, clock: Callable[[], float] = time.monotonic,
                  first_launch_index: int = 0, retry_backoff_s: float = 0.0, keep_failed_members: bool = False,
                  dynamic_sampling: bool = False, max_extra_groups: int = 0,
-                 max_mean_token_lag: float | None = None):
+                 max_mean_token_lag: float | None = None, partial_group_min_samples: int = 0):
         """Create a collector; nothing runs until groups are submitted.
 
         Args:
@@ -385,6 +437,9 @@ class AsyncCollector:
                 ones (module docstring); rows need a ``reward``. :meth:`run_all` is unaffected.
             max_extra_groups: zero-variance groups skipped per batch at most (>= 0); past it they fill the batch.
                 Also the most fresh groups one :meth:`next_batch` submits through its ``refill``.
+            partial_group_min_samples: 0 (off), or ``k`` in ``[2, G)``: batches count samples and a group with
+                ``k`` finished samples may train them while the rest are carried (module docstring). Not
+                with ``dynamic_sampling`` or ``in_launch_order``.
 
         Raises:
             ValueError: a size or policy out of range.
@@ -397,6 +452,12 @@ class AsyncCollector:
             raise ValueError(f"episode_deadline_s must be > 0, got {episode_deadline_s}")
         if max_extra_groups < 0:
             raise ValueError(f"max_extra_groups must be >= 0, got {max_extra_groups}")
+        if partial_group_min_samples and not 2 <= partial_group_min_samples < group_size:
+            raise ValueError(f"partial_group_min_samples must be 0 or in [2, group_size={group_size}), "
+                             f"got {partial_group_min_samples}")
+        if partial_group_min_samples and (dynamic_sampling or in_launch_order):
+            raise ValueError("partial_group_min_samples does not combine with dynamic_sampling or in_launch_order")
+        self.partial_k = partial_group_min_samples
         self.runner, self.G, self.K = runner, group_size, max_groups_in_flight
         self.deadline_s, self.infra_policy, self.max_retries = episode_deadline_s, infra_policy, max_infra_retries
         self.update_policy, self.in_launch_order, self.prefetch = update_policy, in_launch_order, prefetch
@@ -437,7 +498,8 @@ class AsyncCollector:
         Only eligible banked groups count (stale ones never train).
         """
         with self._lock:
-            return max(0, self.K - (len(self._pending) + len(self._groups) + self.bank.eligible(self.policy_version)))
+            return max(0, self.K - (len(self._pending) + math.ceil(self._in_flight_weight())
+                                    + self.bank.eligible(self.policy_version)))
 
     @property
     def in_flight(self) -> int:
@@ -460,7 +522,11 @@ class AsyncCollector:
         ``groups_in_bank`` (left for the next batch), ``dropped_stale``, ``dropped_infra``,
         ``deadline_cancels``, ``infra_retries``, ``lag_hist_<k>`` (batch groups by policy lag),
         ``sample_lag_mean`` and ``sample_lag_max`` (versions behind of the batch's sampled tokens,
-        token-weighted mean and max).
+        token-weighted mean and max), ``batch_samples`` (final rows handed out).
+        With ``partial_group_min_samples``: the batch is ``n_groups * G`` samples or a few more (parts of
+        groups count by their rows), and ``groups_split`` (groups split at this call),
+        ``samples_carried`` (their samples still running, carried) and ``remainder_parts`` (parts of the
+        batch that were carried before) are recorded.
         ``on_progress(ready, n)`` is called (without the scheduler's lock) when the count of ready
         groups changes.
 
@@ -502,12 +568,13 @@ class AsyncCollector:
                 self.bank.expire(self.policy_version)
                 carried_in = self.bank.eligible(self.policy_version)
                 self._wanted = n_groups
+                need = n_groups * self.G if self.partial_k else n_groups
                 self._launch()
                 reported = -1
                 draw = refill if self.dynamic_sampling else None
                 asked_for: list[Group] = []  # zero-variance groups refill was called for, in order
                 refilled = 0  # fresh groups submitted
-                while (ready := self._ready()) < n_groups:
+                while (ready := self._ready()) < need:
                     if draw is not None and (owed := self._owed_refill(asked_for)) is not None:
                         asked_for.append(owed)
                         fresh = self._unlocked(draw, owed)
@@ -519,26 +586,37 @@ class AsyncCollector:
                         continue  # the state may have changed while the callback ran: look again
                     if on_progress is not None and ready != reported:
                         reported = ready
-                        self._unlocked(on_progress, ready, n_groups)
+                        self._unlocked(on_progress, ready, need)
                         continue  # the state may have changed while the callback ran: look again
                     if not self._groups and not self._pending:  # nothing more can come: a short batch, or none
-                        eligible = self.bank.eligible(self.policy_version)
-                        if eligible >= n_groups:  # dynamic sampling: zero-variance groups fill the batch
+                        eligible = (self.bank.eligible_samples(self.policy_version) if self.partial_k
+                                    else self.bank.eligible(self.policy_version))
+                        if eligible >= need:  # dynamic sampling: zero-variance groups fill the batch
                             break
                         why = "; ".join(f"{g.group_id}: {g.dropped} ({[r['reason'] for r in g.rows]})"
                                         for g in self._dropped) or "none dropped"
                         if eligible == 0:
                             raise RuntimeError(f"batch of {n_groups} groups impossible: none eligible, nothing "
                                                f"pending or in flight; dropped groups: {why}")
-                        log.warning("short batch: %d of %d groups (nothing pending or in flight); dropped: %s",
-                                    eligible, n_groups, why)
+                        log.warning("short batch: %d of %d %s (nothing pending or in flight); dropped: %s",
+                                    eligible, need, "samples" if self.partial_k else "groups", why)
                         self.counters["short_batches"] += 1
                         break
                     if timeout_s is not None and self.clock() - start > timeout_s:
                         raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
                     self._changed.wait(timeout=0.5)
                 skipped: list[Group] = []
-                if self.dynamic_sampling:
+                split = carried = 0
+                if self.partial_k:
+                    groups = self.bank.take_samples(need, self.policy_version)
+                    have = sum(len(g.final) for g in groups)
+                    for g in self._split_candidates():
+                        if have >= need:
+                            break
+                        groups.append(g.split(self.clock()))
+                        have += len(groups[-1].final)
+                        split, carried = split + 1, carried + g.group_size
+                elif self.dynamic_sampling:
                     groups, skipped = self.bank.take_with_signal(n_groups, self.policy_version,
                                                                  self.max_extra_groups, self.in_launch_order)
                 else:
@@ -556,6 +634,9 @@ class AsyncCollector:
             self._counters_reported = Counter(self.counters)
             rows = [r for g in groups for r in g.rows]
             metrics = self._metrics(groups, start, end, min(carried_in, n_groups), counters0)
+            if self.partial_k:
+                metrics.update(groups_split=split, samples_carried=carried,
+                               remainder_parts=sum(g.part > 0 for g in groups))
             if self.dynamic_sampling:
                 metrics.update(self._zero_variance_metrics(n_groups, groups, skipped, start, end))
                 metrics["groups_refilled"] = refilled
@@ -646,8 +727,23 @@ class AsyncCollector:
         self._pump.join(timeout=5)
 
     # -- internals -----------------------------------------------------------------------
+    def _in_flight_weight(self) -> float:
+        """Groups in flight, a carried remainder counting as its share of G (the over-provisioning bound)."""
+        return sum(g.group_size for g in self._groups.values()) / self.G
+
+    def _split_candidates(self) -> list[Group]:
+        """In-flight groups whose finished samples may train now, most finished first, then by launch.
+
+        At least ``partial_group_min_samples`` finished, within the bank's lag bounds.
+        """
+        found = [g for g in self._groups.values()
+                 if len(g.final) >= self.partial_k and self.bank.within(g, self.policy_version)]
+        return sorted(found, key=lambda g: (-len(g.final), g.launch_index))
+
     def _ready(self) -> int:
-        """Banked groups the batch being asked for can use now (see :meth:`next_batch`)."""
+        """Banked groups (samples, with partial groups) the batch asked for can use now (:meth:`next_batch`)."""
+        if self.partial_k:
+            return self.bank.eligible_samples(self.policy_version) + sum(len(g.final) for g in self._split_candidates())
         if self.dynamic_sampling:
             return self.bank.usable(self.policy_version, self.max_extra_groups)
         return self.bank.eligible(self.policy_version)
@@ -690,7 +786,7 @@ class AsyncCollector:
             return
         if not self.prefetch and self._wanted == 0:  # launch only while a batch is being asked for
             return
-        while self._pending and len(self._groups) < self.K:
+        while self._pending and self._in_flight_weight() < self.K:
             group_id, task = self._pending.pop(0)
             g = Group(group_id, task, self._launched, self.G, self.clock())
             self._launched += 1
@@ -845,7 +941,8 @@ class AsyncCollector:
             return episode_s[min(len(episode_s) - 1, int(p * len(episode_s)))] if episode_s else 0.0
 
         lags = Counter(self.bank.lag(g, self.policy_version) for g in groups)
-        m = {"time_to_batch_s": end - start, "episode_s_p50": q(0.5), "episode_s_p90": q(0.9),
+        m = {"time_to_batch_s": end - start, "batch_samples": len(final), "episode_s_p50": q(0.5),
+             "episode_s_p90": q(0.9),
              "episode_s_max": episode_s[-1] if episode_s else 0.0,
              "straggler_tail_s": (done[-1] - at90) if done else 0.0,
              "groups_carried_in": carried_in, "groups_in_bank": len(self.bank)}

@@ -188,3 +188,15 @@ def test_no_fallback_base_image_unless_chosen_and_registry_mirrors_are_checked(t
     with pytest.raises(ConfigError, match=r"mirrors.toml: .*tasks.registry_mirrors: 'docker.io' = "
                                           r"'https://localhost:5000': expected a registry .* without a scheme"):
         load_config(p)
+
+
+def test_partial_groups_need_k_between_2_and_the_group_size(tmp_path):
+    ok = tmp_path / "ok.toml"
+    ok.write_text('[rollout]\ngroup_size = 8\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n')
+    assert load_config(ok).rollout.scheduler.partial_group_min_samples == 4
+    assert "must be below group_size = 4" in _error(
+        tmp_path, '[rollout]\ngroup_size = 4\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n')
+    assert "no GRPO baseline" in _error(
+        tmp_path, '[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 1\n')
+    assert "does not combine with dynamic_sampling" in _error(
+        tmp_path, '[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 2\ndynamic_sampling = true\n')

@@ -11,7 +11,8 @@ from infra.rollout.scheduler import AsyncCollector, Attempt, EpisodeJob, Group, 
 
 
 class ScriptedRunner:
-    """Each task is a dict: ``seconds`` per member, optional ``fail`` (sample, attempt) pairs, ``stuck`` members.
+    """Each task is a dict: ``seconds`` per member (a list: by sample index), optional ``fail`` (sample,
+    attempt) pairs, ``stuck`` members.
 
     A turn stamps ``collector.policy_version`` on its tokens, like an engine stamping its weights' version.
     """
@@ -31,7 +32,8 @@ class ScriptedRunner:
             if (job.sample_index, job.attempt) in spec.get("stuck", ()):
                 job.cancel.wait(30)
                 return self.failed_row(job, "cancelled")
-            if job.cancel.wait(spec["seconds"] / turns):
+            seconds = spec["seconds"][job.sample_index] if isinstance(spec["seconds"], list) else spec["seconds"]
+            if job.cancel.wait(seconds / turns):
                 return self.failed_row(job, "cancelled")
             versions.append(self.collector.policy_version)
         if (job.sample_index, job.attempt) in spec.get("fail", ()):
@@ -135,6 +137,65 @@ def test_mean_token_lag_bound_keeps_long_episodes_whose_tokens_are_mostly_recent
     assert [g.group_id for g in only_oldest.take(2, current_version=3)] == ["fresh"]
     with pytest.raises(ValueError, match="max_mean_token_lag"):
         ReadyBank(1, -0.5)
+
+
+def test_split_parts_a_group_into_its_finished_samples_and_the_running_remainder():
+    """Hand-built: 2 of 4 finished (sample 1 after a failed attempt); the part holds them and their attempts,
+    the remainder the other two samples and their earlier failure, and completes on their rows alone."""
+    g = Group("g", None, 3, 4, 0.0)
+    fail = Attempt({"sample_index": 1, "outcome": "infra_failure"}, 1.0, 1.0)
+    ok = {i: Attempt({"sample_index": i, "outcome": "success", "min_policy_version": 0}, 2.0, 2.0) for i in (0, 1)}
+    fail3 = Attempt({"sample_index": 3, "outcome": "infra_failure"}, 1.5, 1.5)
+    g.attempts = [fail, ok[0], fail3, ok[1]]
+    g.final = dict(ok)
+    part = g.split(now_s=5.0)
+    assert (part.group_id, part.group_size, part.complete, part.part, part.completed_s) == ("g", 2, True, 0, 5.0)
+    assert part.attempts == [fail, ok[0], ok[1]] and [r["sample_index"] for r in part.final_rows()] == [0, 1]
+    assert (g.group_size, g.complete, g.part, g.attempts, g.final) == (2, False, 1, [fail3], {})
+    for i in (2, 3):
+        g.final[i] = Attempt({"sample_index": i, "outcome": "success", "min_policy_version": 1}, 9.0, 9.0)
+    assert g.complete and [r["sample_index"] for r in g.final_rows()] == [2, 3]
+    with pytest.raises(ValueError, match="some, not all"):
+        g.split(now_s=10.0)
+
+
+def test_partial_groups_train_finished_samples_and_carry_the_rest():
+    """G=4, k=3: two groups each hold one slow sample. A batch of 1 group (4 samples) waits for b's third
+    sample (a's 3 are not enough), then takes the finished samples of both (6 rows; the slow ones carried),
+    and the next batch gets the two carried samples as parts of their own (short: nothing else in flight)."""
+    c, _ = _collector(group_size=4, partial_group_min_samples=3)
+    try:
+        c.submit([("a", {"seconds": [0.05, 0.05, 0.05, 1.5]}), ("b", {"seconds": [0.3, 0.3, 0.3, 1.5]})])
+        batch = c.next_batch(1, timeout_s=10)
+        assert [(g.group_id, g.part, len(g.final)) for g in batch.groups] == [("a", 0, 3), ("b", 0, 3)]
+        assert {r["sample_index"] for r in batch.train_rows()} == {0, 1, 2}
+        m = batch.metrics
+        assert (m["groups_split"], m["samples_carried"], m["remainder_parts"], m["batch_samples"]) == (2, 2, 0, 6)
+        assert c.in_flight == 2 and c.room() == 4 - 1  # the two carried samples weigh half a group of 4
+        rest = c.next_batch(1, timeout_s=10)
+        assert sorted((g.group_id, g.part) for g in rest.groups) == [("a", 1), ("b", 1)]
+        assert [r["sample_index"] for r in rest.train_rows()] == [3, 3]
+        m = rest.metrics
+        assert (m["groups_split"], m["remainder_parts"], m["batch_samples"]) == (0, 2, 2)
+    finally:
+        c.close()
+
+
+def test_partial_groups_prefer_complete_groups_and_never_split_below_k():
+    """A complete banked group fills the batch before any split; a group with fewer than k finished is not split."""
+    c, _ = _collector(group_size=4, partial_group_min_samples=3, max_groups_in_flight=2)
+    try:
+        c.submit([("slow", {"seconds": [0.05, 0.05, 2.0, 2.0]}), ("fast", {"seconds": 0.3})])
+        batch = c.next_batch(1, timeout_s=10)
+        assert [(g.group_id, len(g.final)) for g in batch.groups] == [("fast", 4)]
+        assert batch.metrics["groups_split"] == 0
+        assert c.in_flight == 1  # "slow" had 2 < 3 finished: whole, still running
+    finally:
+        c.close()
+    with pytest.raises(ValueError, match="partial_group_min_samples"):
+        _collector(group_size=4, partial_group_min_samples=4)
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        _collector(group_size=4, partial_group_min_samples=2, dynamic_sampling=True)
 
 
 def test_a_batch_reports_its_tokens_mean_and_max_lag():
