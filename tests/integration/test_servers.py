@@ -51,16 +51,16 @@ def hello_image(backend):
     return tasks["tb/hello-file"], {"tb/hello-file": (entries[0].image, entries[0].image_digest)}
 
 
-def _collector(engine, backend, images, max_turns: int = 3, **kw):
+def _collector(engine, backend, images, max_turns: int = 3, group_size: int = 2, **kw):
     from infra.environments import BASE_IMAGE
     from infra.rollout.collector import Collector, CollectSettings
     from infra.rollout.scheduler import AsyncCollector
 
-    settings = CollectSettings(group_size=2, temperature=1.0, top_p=1.0, max_tokens_per_turn=12,
+    settings = CollectSettings(group_size=group_size, temperature=1.0, top_p=1.0, max_tokens_per_turn=12,
                                max_turns=max_turns, seed=3, max_infra_retries=2)
     runner = Collector(engine, backend, settings, code_image=BASE_IMAGE)
     runner.bind("test-servers", 0, images)
-    args = {"group_size": 2, "max_groups_in_flight": 4, "max_concurrent_episodes": 8, "max_infra_retries": 2,
+    args = {"group_size": group_size, "max_groups_in_flight": 4, "max_concurrent_episodes": 8, "max_infra_retries": 2,
             "episode_deadline_s": 300}
     return AsyncCollector(runner, **{**args, **kw})
 
@@ -134,6 +134,49 @@ def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hel
         if row["num_turns"] > 1:
             assert sampled[-1] == 1, "turns after the update must come from version 1"
         assert all(v == -1 for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if not m)
+
+
+class HoldSample:
+    """The real episode runner, with every attempt of one sample index held back until ``release`` is set."""
+
+    def __init__(self, runner, sample_index: int):
+        self.runner, self.sample_index, self.release = runner, sample_index, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def run(self, job):
+        if job.sample_index == self.sample_index:
+            assert self.release.wait(300), "the test never released the held sample"
+        return self.runner.run(job)
+
+
+def test_partial_groups_train_finished_samples_and_the_remainder_after_an_update(engine, backend, hello_image,
+                                                                                  tiny_model):
+    task, images = hello_image
+    c = _collector(engine, backend, images, max_turns=2, group_size=3, partial_group_min_samples=2,
+                   update_policy="pause")
+    held = c.runner = HoldSample(c.runner, 2)
+    try:
+        c.submit([("g-a", task), ("g-b", task)])
+        first = c.next_batch(1, timeout_s=300)  # 3 samples asked: no group is complete, both are split
+        c.update_weights(lambda: engine.load_weights(str(tiny_model), 1), 1)
+        held.release.set()
+        second = c.next_batch(1, timeout_s=300)  # only the two remainders of one sample each can come
+    finally:
+        held.release.set()
+        c.drain(60)
+        c.close()
+    assert first.metrics["groups_split"] == 2 and first.metrics["samples_carried"] == 2
+    assert sorted((r["group_id"], r["sample_index"]) for r in first.train_rows()) == [
+        ("g-a", 0), ("g-a", 1), ("g-b", 0), ("g-b", 1)]
+    assert {r["max_policy_version"] for r in first.train_rows()} == {0}
+    assert second.metrics["remainder_parts"] == 2 and second.metrics["batch_samples"] == 2
+    rows = second.train_rows()
+    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [("g-a", 2), ("g-b", 2)]
+    for row in rows:  # held until after the update: every sampled token is version 1's
+        assert {v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m} == {1}
+    assert second.metrics["sample_lag_mean"] == 0.0
 
 
 def test_direct_publication_to_servers_loads_verified_bytes_or_refuses(servers, engine, tiny_model, tmp_path):
