@@ -372,7 +372,8 @@ class BatchResult:
     """What :meth:`AsyncCollector.next_batch` returns.
 
     Attributes:
-        groups: the complete groups of the batch (``len == n``), each with its G final rows.
+        groups: the complete groups of the batch (``len == n``), each with its G final rows; with partial
+            groups, parts of groups (``group.part``, fewer rows) until the rows reach ``n * G``.
         rows: every attempt of the batch's groups (retried infra failures included): what the
             step's trajectory file records.
         dropped: groups dropped since the previous batch (``group.dropped`` says why: ``stale``,
@@ -495,11 +496,13 @@ class AsyncCollector:
     def room(self) -> int:
         """Groups that may be submitted now: the in-flight bound less those pending, running or banked.
 
-        Only eligible banked groups count (stale ones never train).
+        Only eligible banked groups count (stale ones never train). With partial groups, parts in flight
+        or banked count as their share of G.
         """
         with self._lock:
-            return max(0, self.K - (len(self._pending) + math.ceil(self._in_flight_weight())
-                                    + self.bank.eligible(self.policy_version)))
+            banked = (self.bank.eligible_samples(self.policy_version) / self.G if self.partial_k
+                      else self.bank.eligible(self.policy_version))
+            return max(0, self.K - (len(self._pending) + math.ceil(self._in_flight_weight() + banked)))
 
     @property
     def in_flight(self) -> int:

@@ -172,6 +172,10 @@ def test_partial_groups_train_finished_samples_and_carry_the_rest():
         m = batch.metrics
         assert (m["groups_split"], m["samples_carried"], m["remainder_parts"], m["batch_samples"]) == (2, 2, 0, 6)
         assert c.in_flight == 2 and c.room() == 4 - 1  # the two carried samples weigh half a group of 4
+        deadline = time.monotonic() + 10
+        while c.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.in_flight == 0 and c.room() == 4 - 1  # banked, the two parts still weigh half a group
         rest = c.next_batch(1, timeout_s=10)
         assert sorted((g.group_id, g.part) for g in rest.groups) == [("a", 1), ("b", 1)]
         assert [r["sample_index"] for r in rest.train_rows()] == [3, 3]
