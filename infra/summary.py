@@ -287,6 +287,10 @@ def format_summary(s: dict) -> str:
                f"gen_tok/s={s['generation_tokens_per_s']:.0f} prefix_hit={s['prefix_cache_hit_rate']:.2f} "
                f"carried_in={s['groups_carried_in']:.0f} "
                f"lag_hist={s['policy_lag_hist']} " if "episode_s_p50" in s else "")
+            + (f"sample_lag mean/max={s['sample_lag_mean']:.2f}/{s['sample_lag_max']:.0f} " if "sample_lag_mean" in s
+               else "")
+            + (f"partial split/carried/parts={s['groups_split']:.0f}/{s['samples_carried']:.0f}/"
+               f"{s['remainder_parts']:.0f} " if "groups_split" in s else "")
             + f"divergence drop/down={s.get('rows_dropped_divergence', 0):.0f}/"
             f"{s.get('rows_downweighted_divergence', 0):.0f} "
             f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "

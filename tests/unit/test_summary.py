@@ -37,9 +37,9 @@ SCHED = {"time_to_batch_s": 12.3456, "episode_s_p50": 5.0, "episode_s_p90": 9.0,
          "groups_carried_in": 1, "groups_dropped": 0, "lag_hist_0": 3, "lag_hist_1": 1}
 
 
-def summary(trained: TrainStats | None = None) -> StepSummary:
+def summary(trained: TrainStats | None = None, sched: dict = SCHED) -> StepSummary:
     batch = RolloutStats("s3://b/r/trajectories/step-000002.parquet", 16, 12.3456, 0.25, {"success": 4,
-                         "model_failure": 12}, {}, 0, 16, 0.4321, 1000, 1, 2, 1.0e9, SCHED, stage_s=13.0)
+                         "model_failure": 12}, {}, 0, 16, 0.4321, 1000, 1, 2, 1.0e9, sched, stage_s=13.0)
     trained = trained or TrainStats(TRAIN, 1.0, 2.5, "v2", stage_s=20.0)
     published = PublishResult("s3://b/r/checkpoints/v3", 3, "storage", 0.5, 2.0, latency_s=3.25, upload_wait_s=0.0,
                               stage_s=3.5)
@@ -127,6 +127,15 @@ def test_step_line_as_printed():
     assert "masked=0.000 checkpoint=s3://b/r/checkpoints/v3 publish[storage] latency=3.2s pause=0.50s" in line
     assert "eval pass@1=0.500 (vs previous: +0.250) episode_s p50/p90/max=5.0/9.0/11.0" in line
     assert line.endswith("(stages s: difficulty 0.12 rollout 13.0 train 20.0 publish+load 3.5 eval 4.0)")
+
+
+def test_sample_lag_and_partial_groups_are_stored_and_printed():
+    partial = {"sample_lag_mean": 0.4012, "sample_lag_max": 1, "batch_samples": 16, "groups_split": 2,
+               "samples_carried": 3, "remainder_parts": 1}
+    s = summary(sched={**SCHED, **partial})
+    assert {k: s.to_json()[k] for k in partial} == {**partial, "sample_lag_mean": 0.401}
+    assert "sample_lag mean/max=0.40/1 partial split/carried/parts=2/3/1 " in s.line()
+    assert "sample_lag" not in summary().line() and "partial" not in summary().line()
 
 
 def test_step_line_says_whether_the_step_learned():
