@@ -60,7 +60,7 @@ bench-sandbox: up
 	$(SERVICES) && $(PY) -m benchmarks.sandbox_acquire --episodes 48 --burst 8
 
 bench-batch: up model
-	$(SERVICES) && $(PY) -m benchmarks.batch_time --scale both
+	$(SERVICES) && $(PY) -m benchmarks.batch_time --scale both && $(PY) -m benchmarks.batch_levers
 
 bench-publish: up model
 	$(SERVICES) && $(PY) -m benchmarks.publish_latency --rounds 3 --servers 1

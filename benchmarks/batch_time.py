@@ -6,8 +6,9 @@ on the same workload and seeds:
 - naive: a synchronous batch of exactly B trajectories in launch order (no prefetch, no
   over-provisioning), a cold container per episode, round-robin routing;
 - optimized: ready bank (completion order), over-provisioning (``--overprovision`` times the
-  groups in flight) with carry-over across steps within ``max_policy_lag=1``, warm sandbox pool,
-  affinity routing.
+  groups in flight) with carry-over across steps within ``--max-policy-lag`` (and
+  ``--max-mean-token-lag``), partial groups (``--partial-group-min-samples``), warm sandbox pool,
+  affinity routing. ``benchmarks.batch_levers`` runs one lever at a time, then all.
 
 Each configuration runs ``--steps`` steps: ask for a batch, then "train" (a pause of ``--train-s``
 during which the collector keeps working, plus a real weight reload at the real scale), then bump
@@ -91,8 +92,9 @@ def run_steps(collector: AsyncCollector, tasks: list, n_groups: int, steps: int,
 # -- fleet scale (simulated engines and sandboxes) ------------------------------------------
 def fleet(model: FleetModel, batch: int, group_size: int, replicas: int, slots: int, steps: int, train_s: float,
           overprovision: float, time_scale: float, seed: int, max_policy_lag: int = 1,
-          max_mean_token_lag: float | None = None, partial_group_min_samples: int = 0) -> dict:
-    """Run both configurations on the simulated fleet; figures in simulated seconds.
+          max_mean_token_lag: float | None = None, partial_group_min_samples: int = 0,
+          configs: tuple[str, ...] = ("naive", "optimized")) -> dict:
+    """Run the configurations (``naive``, ``optimized``) on the simulated fleet; figures in simulated seconds.
 
     ``max_policy_lag`` and ``max_mean_token_lag`` bound the optimized configuration's ready bank
     (``infra.rollout.scheduler.ReadyBank``); the naive one keeps ``max_policy_lag = 1``. With
@@ -101,7 +103,7 @@ def fleet(model: FleetModel, batch: int, group_size: int, replicas: int, slots: 
     n_groups = batch // group_size
     tasks = [f"task{i % 50}" for i in range(n_groups * (steps + 2) * 2)]
     results = {}
-    for name in ("naive", "optimized"):
+    for name in configs:
         opt = name == "optimized"
         names = [f"replica{i}" for i in range(replicas)]
         router = Router(names, "affinity" if opt else "round_robin")
