@@ -5,10 +5,14 @@ from __future__ import annotations
 import socket
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (bound and released; another process may take it before the caller)."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now (bound and released; another process may take it before the caller).
+
+    Check on the address the service will bind: a port bound on another address (a bridge's) looks free on
+    loopback.
+    """
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 

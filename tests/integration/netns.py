@@ -81,14 +81,6 @@ def nodes(count: int, subnet: str = SUBNET):
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
-def free_port_on(address: str) -> int:
-    """A TCP port free on ``address`` now (``infra.net.free_port`` checks loopback, where a port bound on the
-    bridge address, such as a forwarder's, looks free)."""
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def forward(target: tuple[str, int], host: str = HOST):
     """Forward TCP connections to ``host:<port>`` on to ``target`` (a loopback service the nodes cannot reach).

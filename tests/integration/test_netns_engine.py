@@ -87,7 +87,7 @@ def test_post_train_on_a_remote_engine_that_fetches_its_checkpoints_from_s3(tiny
     with netns.nodes(2) as (node, trainer_node), netns.forward((s3_at.hostname, s3_at.port)) as s3_port:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}  # no S3 keys there
-        master = f"{netns.HOST}:{netns.free_port_on(netns.HOST)}"  # free there: the forwarder also binds there
+        master = f"{netns.HOST}:{free_port(netns.HOST)}"  # free there: the forwarder also binds there
         rank1 = subprocess.Popen([*trainer_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
                                   master, "--rank", "1", "--world-size", "2"], env=env,
                                  stdout=open(tmp_path / "rank1.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
