@@ -11,6 +11,7 @@ This module imports neither torch nor vLLM, so parsing a config stays fast.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -387,6 +388,10 @@ class RolloutConfig(_Strict):
         if k and k >= self.group_size:
             raise ValueError(f"scheduler.partial_group_min_samples = {k} must be below group_size = "
                              f"{self.group_size} (or 0, off)")
+        if k and math.ceil(self.tasks_per_step * self.scheduler.overprovision) <= self.tasks_per_step:
+            raise ValueError(f"scheduler.partial_group_min_samples = {k} needs more groups in flight than a batch "
+                             f"takes: with overprovision = {self.scheduler.overprovision} a batch waits for every "
+                             "sample in flight and no group is ever split (set overprovision above 1)")
         return self
 
 

@@ -109,6 +109,25 @@ class Attempt:
     finished_s: float
     episode_s: float  # launch to finish
     queue_s: float = 0.0  # submitted to launched
+    _tokens_by_version: Counter | None = field(default=None, repr=False, compare=False)
+
+    def tokens_by_version(self) -> Counter:
+        """The row's sampled tokens per policy version (cached: a finished row does not change).
+
+        From its per-token ``policy_versions`` where ``loss_mask`` is 1 (``infra.store`` rows), or its
+        ``tokens_by_version`` (``{version: tokens}``, the simulator's rows); a row with neither counts its
+        ``min_policy_version`` once.
+        """
+        if self._tokens_by_version is None:
+            row, counts = self.row, Counter()
+            if "tokens_by_version" in row:
+                counts.update({int(v): n for v, n in row["tokens_by_version"].items()})
+            elif "policy_versions" in row and "loss_mask" in row:
+                counts.update(v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
+            elif row.get("min_policy_version", -1) >= 0:
+                counts[row["min_policy_version"]] += 1
+            object.__setattr__(self, "_tokens_by_version", counts)  # frozen: set once, as a cache
+        return self._tokens_by_version
 
 
 @dataclass
@@ -146,20 +165,13 @@ class Group:
     def tokens_by_version(self) -> Counter:
         """Sampled tokens of the final rows per policy version (cached once the group is complete).
 
-        From each row's per-token ``policy_versions`` where ``loss_mask`` is 1 (``infra.store`` rows), or
-        its ``tokens_by_version`` (``{version: tokens}``, the simulator's rows); a row with neither counts
-        its ``min_policy_version`` once.
+        :meth:`Attempt.tokens_by_version` summed over the final attempts.
         """
         if self._tokens_by_version is not None:
             return self._tokens_by_version
         counts: Counter = Counter()
-        for row in self.final_rows():
-            if "tokens_by_version" in row:
-                counts.update({int(v): n for v, n in row["tokens_by_version"].items()})
-            elif "policy_versions" in row and "loss_mask" in row:
-                counts.update(v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
-            elif row.get("min_policy_version", -1) >= 0:
-                counts[row["min_policy_version"]] += 1
+        for attempt in self.final.values():
+            counts.update(attempt.tokens_by_version())
         if self.complete:
             self._tokens_by_version = counts
         return counts
@@ -606,7 +618,8 @@ class AsyncCollector:
                         self.counters["short_batches"] += 1
                         break
                     if timeout_s is not None and self.clock() - start > timeout_s:
-                        raise TimeoutError(f"{ready}/{n_groups} groups after {timeout_s} s")
+                        raise TimeoutError(f"{ready}/{need} {'samples' if self.partial_k else 'groups'} "
+                                           f"after {timeout_s} s")
                     self._changed.wait(timeout=0.5)
                 skipped: list[Group] = []
                 split = carried = 0
@@ -789,7 +802,7 @@ class AsyncCollector:
             return
         if not self.prefetch and self._wanted == 0:  # launch only while a batch is being asked for
             return
-        while self._pending and self._in_flight_weight() < self.K:
+        while self._pending and self._in_flight_weight() + 1 <= self.K:  # a new group weighs 1
             group_id, task = self._pending.pop(0)
             g = Group(group_id, task, self._launched, self.G, self.clock())
             self._launched += 1

@@ -192,10 +192,14 @@ def test_no_fallback_base_image_unless_chosen_and_registry_mirrors_are_checked(t
 
 def test_partial_groups_need_k_between_2_and_the_group_size(tmp_path):
     ok = tmp_path / "ok.toml"
-    ok.write_text('[rollout]\ngroup_size = 8\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n')
+    ok.write_text('[rollout]\ngroup_size = 8\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n'
+                  'overprovision = 1.5\n')
     assert load_config(ok).rollout.scheduler.partial_group_min_samples == 4
     assert "must be below group_size = 4" in _error(
-        tmp_path, '[rollout]\ngroup_size = 4\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n')
+        tmp_path, '[rollout]\ngroup_size = 4\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n'
+                  'overprovision = 2.0\n')
+    assert "no group is ever split (set overprovision above 1)" in _error(
+        tmp_path, '[rollout]\ngroup_size = 8\n[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 4\n')
     assert "no GRPO baseline" in _error(
         tmp_path, '[rollout.scheduler]\nkind = "async"\npartial_group_min_samples = 1\n')
     assert "does not combine with dynamic_sampling" in _error(
