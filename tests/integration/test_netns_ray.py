@@ -68,7 +68,24 @@ def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     return sum(1 for e in events if e["Actor"]["Attributes"].get("agentrl.episode") in episodes)
 
 
-def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, services_env, tmp_path, monkeypatch):
+def _ray_auth(env: dict) -> None:
+    """Set Ray's auth variables (a value of None removes one) and make this process read them again.
+
+    Ray reads ``RAY_AUTH_*`` once per process (an earlier Ray user in this pytest worker fixes the mode at
+    disabled); re-reading is what Ray's own tests do (``ray._private.authentication_test_utils``).
+    """
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    Config.initialize("")  # the config first, then the token cache (a draining gRPC thread may reload it)
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, services_env, tmp_path):
     import docker
     import psutil
 
@@ -94,11 +111,12 @@ def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, s
     # Token auth with this machine's Ray token (~/.ray/auth_token, made if missing): Ray caches the token a
     # process used, so a token of our own would break a later local ray.init() in this pytest worker
     token = subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, text=True, check=True)
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", token.stdout.strip().splitlines()[-1])
+    before = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     s3_at = urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
     docker_dir = Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}")  # short: the socket path has a limit
     with ExitStack() as stack:
+        stack.callback(_ray_auth, before)  # last out: this process's own Ray settings again
+        _ray_auth({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token.stdout.strip().splitlines()[-1]})
         (node,) = stack.enter_context(netns.nodes(1, SUBNET))
         s3_port = stack.enter_context(netns.forward((s3_at.hostname, s3_at.port), host=HOST))
         stack.callback(shutil.rmtree, docker_dir, ignore_errors=True)
