@@ -5,11 +5,11 @@ A run's process may die by SIGKILL (an OOM kill, a cancelled deployment, ``kill 
 instance, and the sandbox containers of its warm pool would stay until the next run reaps them.
 :func:`ensure_watchdog` marks the process with ``AGENTRL_OWNER=<host>:<pid>`` in its environment,
 which every process it starts inherits, and which labels every container it starts
-(:func:`infra.sandbox.docker_backend.owner_id`), then starts ``python -m infra.reaper`` in its own
-session. The watchdog waits on a pidfd of the owner (no polling, no pid-reuse race) and, when the
-owner ends for any reason, SIGKILLs every process whose environment carries the mark and removes
-every container with that owner label. Services shared by runs (dockerd, SeaweedFS, the Prefect
-server) are started without the mark.
+(:func:`infra.sandbox.docker_backend.owner_id`), then starts ``python -m infra.reaper`` detached (its own
+session, no child of the run: a Ray worker's exit kills its children). The watchdog waits on a pidfd of
+the owner (no polling, no pid-reuse race) and, when the owner ends for any reason, SIGKILLs every
+process whose environment carries the mark and removes every container with that owner label. Services
+shared by runs (dockerd, SeaweedFS, the Prefect server) are started without the mark.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def ensure_watchdog() -> str:
     if owner:
         return owner
     owner = f"{socket.gethostname()}:{os.getpid()}"
-    subprocess.Popen([sys.executable, "-m", "infra.reaper", str(os.getpid()), owner], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     env=unmarked_env(), cwd=Path(__file__).resolve().parents[1])
+    # Detached (it forks, its parent exits here): no child of this process, so nothing that kills this
+    # process's children on its exit takes the watchdog with it (a Ray worker's exit does: Ray kills them)
+    subprocess.run([sys.executable, "-m", "infra.reaper", "--detach", str(os.getpid()), owner], start_new_session=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=unmarked_env(), cwd=Path(__file__).resolve().parents[1], check=False, timeout=60)
     os.environ[OWNER_ENV] = owner
     return owner
 
@@ -100,7 +102,14 @@ def clean_up(owner: str) -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m infra.reaper <pid> <owner>``: wait for ``pid`` to end, then :func:`clean_up` ``owner``."""
+    """``python -m infra.reaper [--detach] <pid> <owner>``: wait for ``pid`` to end, then :func:`clean_up` ``owner``.
+
+    ``--detach``: fork first and return at once; the fork (reparented to init) waits and cleans up.
+    """
+    if argv and argv[0] == "--detach":
+        argv = argv[1:]
+        if os.fork():
+            return 0
     pid, owner = int(argv[0]), argv[1]
     try:
         fd = os.pidfd_open(pid)

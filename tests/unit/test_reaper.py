@@ -15,3 +15,31 @@ def test_marked_processes_are_found_by_the_exact_mark(tmp_path, monkeypatch):
     assert owner_mark() == {OWNER_ENV: "h:7"} and OWNER_ENV not in unmarked_env()
     monkeypatch.delenv(OWNER_ENV)
     assert owner_mark() == {}
+
+
+def test_the_watchdog_outlives_a_parent_whose_children_are_killed_with_it(tmp_path):
+    """As a Ray worker's exit kills the worker's children: the watchdog is none of them, and still cleans up."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    script = ("import subprocess, sys; from infra.reaper import ensure_watchdog; ensure_watchdog(); "
+              "p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.stdin.read()")
+    env = unmarked_env()
+    owner = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=Path(__file__).resolve().parents[2])
+    sleeper = int(owner.stdout.readline())
+    for child in psutil.Process(owner.pid).children():  # what Ray does to a worker's children as it exits
+        if child.pid != sleeper:
+            child.kill()
+    assert psutil.Process(sleeper).is_running()
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(sleeper) and psutil.Process(sleeper).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the marked child outlived its owner: no watchdog cleaned up"
+        time.sleep(0.1)
