@@ -11,8 +11,7 @@ import sys
 from dataclasses import asdict
 from typing import Literal
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 
 from flows.naming import flow_run_name, tagged
 from infra.config import RemoteEngine, RunConfig, ServersEngine
@@ -28,19 +27,20 @@ DEFAULT_CONFIG = RunConfig()
 
 @flow(name="collect_rollouts", flow_run_name=flow_run_name, log_prints=True)
 def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None,
-                     fan_out: Literal["local", "ray"] = "local", ray_address: str = "",
+                     fan_out: Literal["local", "ray"] | None = None, ray_address: str | None = None,
                      allow_config_change: bool = False) -> dict:
     """Sample G attempts for each chosen task with the newest policy; ``step`` defaults to the next one.
 
     ``fan_out="ray"`` runs one Prefect task per group on Ray (``prefect-ray``; a local Ray instance,
-    or the cluster at ``ray_address``); it needs ``engine.kind = "servers"``, whose vLLM
-    servers this flow starts and the workers reach over HTTP.
+    or the cluster at ``ray_address``; ``tasks.fanout.collect_step_on_ray``); it needs a ``servers`` or
+    ``remote`` engine, which the workers reach over HTTP.
 
     Args:
         config: the run config (the form's defaults are the deployment's config; its run_id names the run).
         step: the step to collect (default: the next one after the newest published checkpoint).
-        fan_out: ``local`` (this process) or ``ray`` (one task per group on Ray).
-        ray_address: the Ray cluster for ``fan_out="ray"`` (empty: a local Ray instance).
+        fan_out: ``local`` (this process) or ``ray`` (one task per group on Ray); default: ``rollout.fan_out``.
+        ray_address: the Ray cluster for ``fan_out="ray"`` (empty: a local Ray instance); default:
+            ``rollout.ray_address``.
         allow_config_change: continue a stored run whose config.json differs from ``config`` (the old one is
             kept in config-history/); off: such a run is refused, naming the differing fields.
 
@@ -51,6 +51,8 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
     Raises:
         ValueError: ``fan_out="ray"`` with an in-process engine (``engine.kind = "inproc"``).
     """
+    fan_out = fan_out or config.rollout.fan_out
+    ray_address = config.rollout.ray_address if ray_address is None else ray_address
     if fan_out == "ray" and not isinstance(config.engine, ServersEngine | RemoteEngine):
         raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\" or \"remote\", not "
                          f"{config.engine.kind!r} (Ray workers reach the engines over HTTP; an in-process engine "
@@ -62,41 +64,14 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         selection = refresh_difficulty(run, step)
         deps = task_image_assets(run, selection.chosen)
         if fan_out == "ray":
-            return _collect_on_ray(run, selection.chosen, step, deps, ray_address)
+            from tasks.fanout import collect_step_on_ray
+
+            result, placed = collect_step_on_ray(run, selection.chosen, step, deps, ray_address)
+            return {**asdict(result), **placed}
         result = rollouts_for_step(run, selection.chosen, step, deps)
     print(f"step {step}: {result.rows} rows, reward mean {result.reward_mean:.3f}, {result.outcomes}"
           f"{' (reused: stored by an earlier attempt of this step)' if result.reused else ''}")
     return asdict(result)
-
-
-def _collect_on_ray(run: Run, task_ids: list[str], step: int, deps: list[str], ray_address: str) -> dict:
-    from infra.environments import BASE_IMAGE
-    from infra.rollout.engine_auth import TOKEN_ENV
-    from infra.rollout.servers import RemoteServer
-    from infra.sandbox.image_ship import stage_images
-    from tasks.fanout import collect_groups, ray_task_runner
-    from tasks.lineage import as_asset
-    from tasks.rollouts import store_step
-
-    handles = [RemoteServer.of(s) if not isinstance(s, RemoteServer) else s
-               for s in run.engine.servers.values()]  # starts them on first use
-    # The token reaches the workers in their environment, not as a parameter (Prefect stores those)
-    token = next((h.token for h in handles if h.token), None)  # one per run: every server has it
-    servers = [{**vars(h), "token": None} for h in handles]
-    runner = ray_task_runner(ray_address, env={TOKEN_ENV: token} if token else None)
-    fan = collect_groups.with_options(task_runner=runner)
-    images = run.catalog.images()
-    # workers on other nodes have their own engines: the images go by S3, loaded where missing
-    shipped = stage_images(run.fs, run.backend.client, {tag for tag, _ in images.values()} | {BASE_IMAGE},
-                           run.layout.images_dir)
-    gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step, images, shipped)
-    store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)
-    result = as_asset(store, run.layout.trajectories(step), deps)(run, step, gathered["rows"], [], {},
-                                                                  gathered["wall_s"])
-    print(f"step {step}: {result.rows} rows from {len(task_ids)} groups on Ray, reward mean "
-          f"{result.reward_mean:.3f}, {result.outcomes}")
-    return {**asdict(result), "fan_out": "ray", "worker_pids": gathered["worker_pids"],
-            "images_loaded": gathered["loaded"]}
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
         summaries = []
         for step in range(prepare_policy(run), config.steps):
             selection = select_step_tasks(run, step)
-            batch = rollouts_for_step(run, selection.chosen, step, task_image_assets(run, selection.chosen))
+            batch = step_rollouts(run, selection.chosen, step)
             trained = train(run, batch, step)
             published = publish(step, batch.uri)
             evaluated = evaluate_published(run, published)
@@ -70,6 +70,20 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
                 get_run_logger().warning("step %d: lineage artifact not published: %s", step, lineage.message)
             summaries.append(summary.to_json())
     return summaries
+
+
+def step_rollouts(run: Run, task_ids: list[str], step: int):
+    """The step's rollouts (``RolloutStats``).
+
+    On Ray with ``rollout.fan_out = "ray"`` (``tasks.fanout.collect_step_on_ray``; a resumed step collects
+    again), else in this process (``tasks.rollouts.rollouts_for_step``: an earlier attempt's valid file is reused).
+    """
+    deps = task_image_assets(run, task_ids)
+    if run.config.rollout.fan_out == "ray":
+        from tasks.fanout import collect_step_on_ray
+
+        return collect_step_on_ray(run, task_ids, step, deps, run.config.rollout.ray_address)[0]
+    return rollouts_for_step(run, task_ids, step, deps)
 
 
 def publish_episodes(run: Run, step: int, trajectories_uri: str) -> str:

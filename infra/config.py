@@ -381,6 +381,23 @@ class RolloutConfig(_Strict):
     """Hand out already started sandboxes (a warm pool sized to each step's demand per image)."""
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)
     """Cap on idle started sandboxes per image."""
+    fan_out: Literal["local", "ray"] = "local"
+    """Where the episodes run: ``local``, in the flow's process; ``ray``, one Prefect task per group on the Ray
+    cluster at ``ray_address`` (each node's own dockerd; needs a ``servers`` or ``remote`` engine and
+    ``scheduler = {kind = "sync"}``: the async scheduler's ready bank lives in one process)."""
+    ray_address: str = ""
+    """The Ray cluster for ``fan_out = "ray"`` (``<head>:6379``); empty: a local Ray instance started for the run."""
+
+    @model_validator(mode="after")
+    def _check_fan_out(self):
+        if self.fan_out == "ray" and not isinstance(self.scheduler, SyncScheduler):
+            raise ValueError("rollout.fan_out = \"ray\" needs rollout.scheduler = {kind = \"sync\"} (each group runs "
+                             "to its end as one Ray task; the async scheduler's ready bank and lag rules run in one "
+                             "process)")
+        if self.fan_out == "local" and self.ray_address:
+            raise ValueError(f"rollout.ray_address = {self.ray_address!r} is set but rollout.fan_out = \"local\" "
+                             "(set fan_out = \"ray\" to use the cluster)")
+        return self
 
     @model_validator(mode="after")
     def _check_partial_groups(self):
@@ -645,6 +662,9 @@ class RunConfig(_Strict):
         if self.train.world_size > 1 and isinstance(self.engine, InprocEngine):
             raise ValueError("train.world_size > 1 needs engine.kind = \"servers\" or \"remote\" (an in-process "
                              "engine holds the trainer process's torch.distributed group)")
+        if self.rollout.fan_out == "ray" and isinstance(self.engine, InprocEngine):
+            raise ValueError("rollout.fan_out = \"ray\" needs engine.kind = \"servers\" or \"remote\" (Ray workers "
+                             "reach the engines over HTTP; an in-process engine cannot be shared)")
         return self
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from envs.task import Task
@@ -38,6 +38,7 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     """
     from transformers import AutoTokenizer
 
+    from infra.reaper import ensure_watchdog
     from infra.rollout.servers import RemoteServer, ServerEngine
     from infra.sandbox.docker_backend import DockerBackend
 
@@ -46,15 +47,23 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
                           policy_version=policy_version)
+    # A worker on a cluster node is no child of the run, so no run's watchdog covers it: it gets its own,
+    # which removes this worker's sandboxes when the worker ends (Ray kills a job's workers when its driver
+    # dies, SIGKILL included). Leftovers of workers that died without one go to reap_orphans.
+    ensure_watchdog()
     try:
         backend, loaded = DockerBackend(), []
+        backend.reap_orphans()
         if shipped:
             from infra.sandbox.image_ship import ensure_images
             from infra.storage import s3_filesystem
 
             loaded = ensure_images(s3_filesystem(config.storage.bucket), backend.client, shipped)
         collector = Collector(engine, backend, CollectSettings.of(r), code_image=BASE_IMAGE)
-        rows = collector.collect(config.run_id, step, [task_obj], images, first_group=group_index)
+        try:
+            rows = collector.collect(config.run_id, step, [task_obj], images, first_group=group_index)
+        finally:
+            collector.close()
         return {"rows": rows, "pid": os.getpid(), "loaded": loaded}
     finally:
         engine.close()
@@ -75,6 +84,44 @@ def collect_groups(config: RunConfig, servers: list[dict], policy_version: int, 
     parts = [f.result() for f in futures]
     return {"rows": [row for p in parts for row in p["rows"]], "wall_s": time.monotonic() - start,
             "worker_pids": [p["pid"] for p in parts], "loaded": sorted({i for p in parts for i in p["loaded"]})}
+
+
+def collect_step_on_ray(run, task_ids: list[str], step: int, deps: list[str], ray_address: str = ""):
+    """A step's rollouts on Ray: one ``collect_group`` per task, the rows stored as the step's Parquet file.
+
+    The run's servers start here on first use; their token reaches the workers in their environment, never as
+    a task parameter (Prefect stores those). The task images (and the base image) are staged on S3 by image
+    id once, and a worker whose engine lacks one loads it. Every group runs to its end (the sync scheduler's
+    semantics); a stored file of an earlier attempt of this step is overwritten, never appended to.
+
+    Returns:
+        ``(RolloutStats, {"fan_out": "ray", "worker_pids": [...], "images_loaded": [...]})``.
+    """
+    from dataclasses import replace
+
+    from infra.rollout.servers import RemoteServer
+    from infra.sandbox.image_ship import stage_images
+    from tasks.lineage import as_asset
+    from tasks.rollouts import store_step
+
+    start = time.monotonic()
+    handles = [RemoteServer.of(s) if not isinstance(s, RemoteServer) else s
+               for s in run.engine.servers.values()]  # starts them on first use
+    token = next((h.token for h in handles if h.token), None)  # one per run: every server has it
+    servers = [{**vars(h), "token": None} for h in handles]
+    runner = ray_task_runner(ray_address, env={TOKEN_ENV: token} if token else None)
+    fan = collect_groups.with_options(task_runner=runner)
+    images = run.catalog.images()
+    shipped = stage_images(run.fs, run.backend.client, {tag for tag, _ in images.values()} | {BASE_IMAGE},
+                           run.layout.images_dir)
+    gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step, images, shipped)
+    store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)
+    result = as_asset(store, run.layout.trajectories(step), deps)(run, step, gathered["rows"], [], {},
+                                                                  gathered["wall_s"])
+    get_run_logger().info("step %d: %d rows from %d groups on Ray, reward mean %.3f, %s", step, result.rows,
+                          len(task_ids), result.reward_mean, result.outcomes)
+    return (replace(result, stage_s=time.monotonic() - start),
+            {"fan_out": "ray", "worker_pids": gathered["worker_pids"], "images_loaded": gathered["loaded"]})
 
 
 def ray_task_runner(address: str = "", env: dict[str, str] | None = None):
