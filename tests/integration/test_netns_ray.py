@@ -1,9 +1,11 @@
-"""Rollouts on a Ray worker node in another network namespace, in sandboxes on that node's own Docker engine.
+"""A ``post_train`` run across three nodes (the flow machine and two network namespaces), killed and resumed.
 
-The Ray head runs on the flow machine's bridge address with no CPUs, so every group lands on the
-node; the node's dockerd (its own data root and socket, started in the namespace) has none of the
-task images: the flow stages them on S3 by image id and the node's workers load them. The node
-reaches S3 through a forwarder on the bridge and the run's vLLM server at its bridge address.
+The flow machine runs the flow (trainer rank 0) and the Ray head with no CPUs. Node ``engine`` serves the
+run from a vLLM server bound to its bridge address (no S3 keys: it fetches each checkpoint from S3 itself).
+Node ``worker`` runs a Ray worker node with its own dockerd (its own data root and socket, started with no
+image: the flow stages the task images on S3 by image id and the node's workers load them) and trainer
+rank 1. S3 and the Prefect server stay on the flow machine's loopback; the nodes reach them through
+forwarders on the bridge. The run is SIGKILLed in step 1's rollouts, then rerun.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 from infra.net import free_port
 from tests.integration import netns
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration  # Ray, two dockerds, a vLLM server, S3, a network namespace (root)
 
 SUBNET = "10.231.10"  # not another netns test file's: they may run at once
@@ -68,122 +71,213 @@ def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     return sum(1 for e in events if e["Actor"]["Attributes"].get("agentrl.episode") in episodes)
 
 
-def _ray_auth(env: dict) -> None:
-    """Set Ray's auth variables (a value of None removes one) and make this process read them again.
-
-    Ray reads ``RAY_AUTH_*`` once per process (an earlier Ray user in this pytest worker fixes the mode at
-    disabled); re-reading is what Ray's own tests do (``ray._private.authentication_test_utils``).
-    """
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    Config.initialize("")  # the config first, then the token cache (a draining gRPC thread may reload it)
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def test_rollouts_run_on_a_ray_node_with_its_own_docker_engine(tiny_model, s3, services_env, tmp_path):
+def _node_dockerd(node, root: Path, log: Path, stack: ExitStack):
+    """Start a dockerd in ``node``'s namespace (own data root and socket); returns ``(client, DOCKER_HOST)``."""
     import docker
-    import psutil
 
-    from flows.build_envs import build_envs
-    from flows.collect_rollouts import collect_rollouts
-    from infra.config import EvalConfig, ModelConfig, RolloutConfig, RunConfig, ServersEngine, TaskSetConfig
-    from infra.environments import BASE_IMAGE
-    from infra.layout import repo_root
-    from infra.run import Run
-    from infra.sandbox.image_ship import stage_images
-    from infra.store import read_step
+    socket = f"unix://{root}/docker.sock"
+    stack.callback(shutil.rmtree, root, ignore_errors=True)
+    proc = subprocess.Popen([*_nsenter(node), "dockerd", "--data-root", str(root / "data"), "--exec-root",
+                             str(root / "exec"), "--pidfile", str(root / "pid"), "-H", socket, "--bridge=none",
+                             "--iptables=false", "--ip6tables=false"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    stack.callback(_stop, proc)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = docker.DockerClient(base_url=socket, timeout=120)  # asks the engine's API version
+            stack.callback(client.close)
+            return client, socket
+        except Exception:  # noqa: BLE001 - not up yet
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+
+
+def _ours(client) -> list:
+    """Sandbox containers (any run's) on ``client``'s engine."""
+    return client.containers.list(all=True, filters={"label": "agentrl=1"})
+
+
+def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(tiny_model, s3, services_env,
+                                                                                  tmp_path):
+    """One run, 2 steps: rollouts on a Ray node in sandboxes on that node's engine only; the engine on a third
+    node hot-loads each version from S3; 2 trainer ranks on two nodes. SIGKILLed in step 1's rollouts: rank 1
+    exits, the node's sandboxes are removed; the rerun (a new rank 1) resumes at step 1 and loses and
+    duplicates nothing."""
+    import json
+    import secrets
+
+    import docker
+
+    from infra import prefect_server
+    from infra.environments import BASE_IMAGE, Catalog
+    from infra.layout import RunLayout, repo_root
+    from infra.reaper import unmarked_env
+    from infra.rollout.engine_auth import TOKEN_ENV
+    from infra.store import read_history, read_step
 
     terminal = tmp_path / "terminal"
     shutil.copytree(repo_root() / "envs/terminal/hello-file", terminal / "hello-file")
-    run_id = f"raynode-{uuid.uuid4().hex[:8]}"
-    config = RunConfig(
-        run_id=run_id, steps=1, model=ModelConfig(path=str(tiny_model), max_model_len=1024, kv_cache_gib=1.0),
-        tasks=TaskSetConfig(terminal_dir=str(terminal), humaneval_train=1, humaneval_eval=0, sandbox_network="none"),
-        engine=ServersEngine(count=1, host=HOST),
-        rollout=RolloutConfig(tasks_per_step=2, group_size=2, max_tokens_per_turn=16, max_turns=1),
-        eval=EvalConfig(enabled=False))
+    run_id = f"threenode-{uuid.uuid4().hex[:8]}"
+    root = f"agentrl/runs/{run_id}"
     ray = str(Path(sys.executable).with_name("ray"))
-    # Token auth with this machine's Ray token (~/.ray/auth_token, made if missing): Ray caches the token a
-    # process used, so a token of our own would break a later local ray.init() in this pytest worker
+    # Token auth with this machine's Ray token (~/.ray/auth_token, made if missing) for the head, the node and the
+    # flow's driver; this process starts no Ray of its own
     token = subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, text=True, check=True)
-    before = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token.stdout.strip().splitlines()[-1]}
+    engine_token = secrets.token_urlsafe(16)
     s3_at = urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
-    docker_dir = Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}")  # short: the socket path has a limit
+    base_env = {k: v for k, v in unmarked_env().items() if not k.startswith(("PREFECT_API", "RAY_"))}
     with ExitStack() as stack:
-        stack.callback(_ray_auth, before)  # last out: this process's own Ray settings again
-        _ray_auth({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token.stdout.strip().splitlines()[-1]})
-        (node,) = stack.enter_context(netns.nodes(1, SUBNET))
+        engine_node, worker_node = stack.enter_context(netns.nodes(2, SUBNET))
         s3_port = stack.enter_context(netns.forward((s3_at.hostname, s3_at.port), host=HOST))
-        stack.callback(shutil.rmtree, docker_dir, ignore_errors=True)
-        socket = f"unix://{docker_dir}/docker.sock"
-        dockerd = subprocess.Popen([*_nsenter(node), "dockerd", "--data-root", str(docker_dir / "data"), "--exec-root",
-                                    str(docker_dir / "exec"), "--pidfile", str(docker_dir / "pid"), "-H", socket,
-                                    "--bridge=none", "--iptables=false", "--ip6tables=false"],
-                                   stdout=open(tmp_path / "dockerd.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                   start_new_session=True)
-        stack.callback(_stop, dockerd)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                node_docker = docker.DockerClient(base_url=socket, timeout=120)  # asks the engine's API version
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                assert time.monotonic() < deadline and dockerd.poll() is None, (tmp_path / "dockerd.log").read_text()
-                time.sleep(0.5)
+        state = tmp_path / "prefect-state"
+        api = prefect_server.start(state, port=free_port(), home=tmp_path / "prefect-home")
+        stack.callback(prefect_server.stop, state)
+        api_at = urlsplit(api)
+        api_port = stack.enter_context(netns.forward((api_at.hostname, api_at.port), host=HOST))
+        node_docker, node_socket = _node_dockerd(worker_node, Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}"),
+                                    tmp_path / "dockerd.log", stack)  # short path: a socket path has a limit
         assert not node_docker.images.list()  # the node's engine starts with no image at all
+        flow_docker = docker.from_env()
 
         port = free_port()
         head = subprocess.Popen([ray, "start", "--head", f"--node-ip-address={HOST}", f"--port={port}", "--num-cpus=0",
                                  "--include-dashboard=false", "--disable-usage-stats", "--block",
                                  f"--object-store-memory={200 * 1024**2}", f"--ray-client-server-port={free_port()}",
-                                 *_ports()],
+                                 *_ports()], env={**base_env, **ray_auth},
                                 stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 start_new_session=True)
-        head_tree: list = []
         stack.callback(_forget_cluster, f"{HOST}:{port}")
-        stack.callback(lambda: [p.kill() for p in head_tree if p.is_running()])
         stack.callback(_stop, head, signal.SIGKILL)
-        node_env = {**os.environ, "DOCKER_HOST": socket, "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}"}
-        worker = subprocess.Popen([*_nsenter(node), ray, "start", f"--address={HOST}:{port}",
-                                   f"--node-ip-address={node.address}", "--num-cpus=2", "--disable-usage-stats",
+        node_env = {**base_env, **ray_auth, "DOCKER_HOST": node_socket,
+                    "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}", "PREFECT_API_URL": f"http://{HOST}:{api_port}/api"}
+        worker = subprocess.Popen([*_nsenter(worker_node), ray, "start", f"--address={HOST}:{port}",
+                                   f"--node-ip-address={worker_node.address}", "--num-cpus=2", "--disable-usage-stats",
                                    "--block", f"--object-store-memory={200 * 1024**2}", *_ports()], env=node_env,
                                   stdout=open(tmp_path / "ray-node.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                   start_new_session=True)
         stack.callback(_stop, worker, signal.SIGKILL)
 
-        build_envs(config)  # on the flow machine's engine
-        head_tree[:] = psutil.Process(head.pid).children(recursive=True)
-        started = time.time()
-        # the node's Ray workers report their task runs to the Prefect API: reachable on the bridge only
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        # the engine's node has no S3 keys: it fetches checkpoints through presigned URLs
+        engine_env = {k: v for k, v in base_env.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}
+        engine_port = free_port()
+        server = subprocess.Popen([*engine_node.launcher, sys.executable, "-m", "infra.rollout.servers", "--model",
+                                   str(tiny_model), "--host", engine_node.address, "--port", str(engine_port),
+                                   "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", "1",
+                                   "--threads", "1", "--log", str(tmp_path / "vllm.log")],
+                                  env={**engine_env, TOKEN_ENV: engine_token}, stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        stack.callback(_stop, server)
+        url = f"http://{engine_node.address}:{engine_port}"
+        ready = server.stdout.readline()
+        assert ready.startswith(f"serving {tiny_model} at {url}"), (tmp_path / "vllm.log").read_text()
 
-        api = PREFECT_API_URL.value()
-        if api:
-            api_at = urlsplit(api)
-            api_port = stack.enter_context(netns.forward((api_at.hostname, api_at.port), host=HOST))
-            stack.enter_context(temporary_settings({PREFECT_API_URL: f"http://{HOST}:{api_port}{api_at.path}"}))
-        result = collect_rollouts(config, step=0, fan_out="ray", ray_address=f"{HOST}:{port}")
+        master = f"{HOST}:{free_port(HOST)}"
+        config = tmp_path / "run.toml"
+        config.write_text(f"""
+run_id = "{run_id}"
+steps = 2
+[model]
+path = "{tiny_model}"
+max_model_len = 1024
+kv_cache_gib = 1.0
+[tasks]
+terminal_dir = "{terminal}"
+humaneval_train = 1
+humaneval_eval = 0
+sandbox_network = "none"
+[engine]
+kind = "remote"
+urls = ["{url}"]
+[rollout]
+tasks_per_step = 2
+group_size = 2
+max_tokens_per_turn = 16
+max_turns = 1
+fan_out = "ray"
+ray_address = "{HOST}:{port}"
+[rollout.scheduler]
+kind = "sync"
+[eval]
+enabled = false
+[publish]
+kind = "storage"
+endpoint = "http://{HOST}:{s3_port}"
+[train]
+world_size = 2
+master = "{master}"
+ranks_timeout_s = 300
+state_storage = "s3"
+""")
+        # the API as every machine reaches it: the node's Ray workers get the flow's settings with their tasks
+        flow_env = {**base_env, **ray_auth, TOKEN_ENV: engine_token, "PREFECT_API_URL": node_env["PREFECT_API_URL"],
+                    "PREFECT_HOME": str(tmp_path / "prefect-home")}
+        cmd = [sys.executable, "-m", "flows.post_train", "--config", str(config)]
+
+        def rank1(name: str) -> subprocess.Popen:
+            proc = subprocess.Popen([*worker_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
+                                     master, "--rank", "1", "--world-size", "2"], env=engine_env,
+                                    stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+            stack.callback(lambda: proc.poll() is None and proc.kill())
+            return proc
+
+        first_rank1, started = rank1("rank1-first.log"), time.time()
+        first = subprocess.Popen(cmd, cwd=ROOT, env=flow_env, stdout=open(tmp_path / "first.log", "w"),  # noqa: SIM115
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        stack.callback(_stop, first, signal.SIGKILL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and first.poll() is None:  # kill in step 1's rollouts, on the node
+            s3.invalidate_cache()
+            if s3.exists(f"{root}/checkpoints/v1/manifest.json") and _ours(node_docker):
+                break
+            time.sleep(0.2)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        killed = time.time()
+        assert first_rank1.wait(120) != 0  # its collective with the dead rank 0 failed: it did not hang
+        deadline = time.monotonic() + 60  # the node's sandboxes go with the Ray workers that started them
+        while _ours(node_docker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _ours(node_docker), [c.labels for c in _ours(node_docker)]
+        s3.invalidate_cache()
+        assert not s3.exists(f"{root}/checkpoints/v2/manifest.json")
+        layout = RunLayout("agentrl", "runs", run_id)
+        staged = {p: s3.info(p)["LastModified"] for p in s3.ls(layout.images_dir)}
+        assert staged
+        # step 1 was sampling on v1: the engine fetched it from S3, for the flow machine holds no copy of it
+        assert not (layout.work / "v1").exists()
+
+        second_rank1 = rank1("rank1-rerun.log")
+        rerun = subprocess.run(cmd, cwd=ROOT, env=flow_env, capture_output=True, text=True, timeout=900)
         ended = time.time()
+        assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+        assert f"post_train {run_id}: 1 step(s) run" in rerun.stdout  # step 0 was not redone
+        assert second_rank1.wait(60) == 0 and "rank 1: step" in (tmp_path / "rank1-rerun.log").read_text()
 
-        assert result["worker_pids"] and os.getpid() not in result["worker_pids"]
-        with Run.open(config) as run:
-            images, images_dir = {tag for tag, _ in run.catalog.images().values()} | {BASE_IMAGE}, run.layout.images_dir
-        assert set(result["images_loaded"]) == images  # shipped through S3, loaded there
-        flow_docker = docker.from_env()
-        archives = {f"{images_dir}/{flow_docker.images.get(i).id.removeprefix('sha256:')}.tar" for i in images}
         s3.invalidate_cache()
-        uploaded = {a: s3.info(a)["LastModified"] for a in archives}
-        assert {a for _, a in stage_images(s3, flow_docker, images, images_dir).values()} == archives
-        s3.invalidate_cache()
-        assert {a: s3.info(a)["LastModified"] for a in archives} == uploaded  # once per image id: not again
-        rows = read_step(s3, result["uri"]).to_pylist()
-        assert len(rows) == result["rows"] >= 4 and not [r for r in rows if r["outcome"] == "infra_failure"]
-        episodes = {r["episode_id"] for r in rows}
-        assert _creates(node_docker, started, ended, episodes) == len(episodes)  # a sandbox per episode, there
-        assert _creates(flow_docker, started, ended, episodes) == 0  # none on the flow machine's engine
-        node_docker.close()
+        stored = [p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trajectories")]
+        assert sorted(p for p in stored if not p.endswith(".lineage.json")) == ["step-000000.parquet",
+                                                                                 "step-000001.parquet"]
+        assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/checkpoints")
+                      if not p.endswith(".lineage.json")) == ["v1", "v2"]
+        history = read_history(s3, layout, ["episode_id", "step", "min_policy_version", "engine_replica",
+                                            "outcome"]).to_pylist()
+        assert len({r["episode_id"] for r in history}) == len(history)  # nothing duplicated
+        assert {r["step"] for r in history} == {0, 1}
+        assert {r["min_policy_version"] for r in history if r["step"] == 1} == {1}  # v1, loaded from S3 there
+        assert {r["engine_replica"] for r in history if r["outcome"] != "infra_failure"} == {url}
+        assert not [r for r in history if r["outcome"] == "infra_failure"]
+        step1 = {r["episode_id"] for r in read_step(s3, layout.trajectories(1)).to_pylist()}
+        assert _creates(node_docker, killed, ended, step1) == len(step1)  # a sandbox per episode, on the node
+        assert _creates(flow_docker, started, ended, {r["episode_id"] for r in history}) == 0  # none here
+        # the images went by S3 once per image id: the rerun staged none again; the node's engine loaded them
+        assert {p: s3.info(p)["LastModified"] for p in staged} == staged
+        catalog = Catalog.from_json(json.loads(s3.cat_file(layout.catalog)), layout.catalog)
+        images = {tag for tag, _ in catalog.images().values()} | {BASE_IMAGE}
+        assert images <= {t for i in node_docker.images.list() for t in i.tags}
+        assert (tmp_path / "vllm.log").read_text().count("POST /collective_rpc") >= 6  # v1, v1 on resume, v2
+        episodes = {r["episode_id"] for r in history}
+        assert not _ours(node_docker)
+        assert not [c for c in _ours(flow_docker) if c.labels.get("agentrl.episode") in episodes]
