@@ -16,7 +16,7 @@ SCHEDULING_KEYS = ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler
                    "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in", "groups_dropped",
                    "groups_skipped_zero_variance", "groups_filled_zero_variance", "groups_refilled",
                    "zero_variance_wait_s", "sample_lag_mean", "sample_lag_max", "batch_samples", "groups_split",
-                   "samples_carried", "remainder_parts")
+                   "samples_carried", "remainder_parts", "dropped_stale_samples", "dropped_stale_reward_mean")
 
 
 #: Where an episode's wall time goes (:func:`episode_time_split`), in order; they sum to ``episode_s``.
@@ -291,6 +291,8 @@ def format_summary(s: dict) -> str:
                else "")
             + (f"partial split/carried/parts={s['groups_split']:.0f}/{s['samples_carried']:.0f}/"
                f"{s['remainder_parts']:.0f} " if "groups_split" in s else "")
+            + (f"stale_cut={s['dropped_stale_samples']:.0f} reward {s['dropped_stale_reward_mean']:.3f} "
+               if s.get("dropped_stale_reward_mean") is not None else "")
             + f"divergence drop/down={s.get('rows_dropped_divergence', 0):.0f}/"
             f"{s.get('rows_downweighted_divergence', 0):.0f} "
             f"(stages s: difficulty {s['difficulty_s']} rollout {s['rollout_s']} train {s['train_s']} "

@@ -409,6 +409,21 @@ class BatchResult:
         return [r for g in self.groups for r in g.final_rows()]
 
 
+def _dropped_stale_metrics(stale: list[Group]) -> dict[str, float]:
+    """What stale-dropping cut since the previous batch (finished samples only).
+
+    ``dropped_stale_samples``, and ``dropped_stale_reward_mean`` when any has a reward: beside the batch's
+    reward mean it shows whether the lag rules select against long episodes (which end late), a biased
+    gradient when length and reward correlate.
+    """
+    done = [r for g in stale for r in g.rows if r["outcome"] != "infra_failure"]
+    rewards = [r["reward"] for r in done if "reward" in r]
+    out = {"dropped_stale_samples": float(len(done))}
+    if rewards:
+        out["dropped_stale_reward_mean"] = sum(rewards) / len(rewards)
+    return out
+
+
 class AsyncCollector:
     """Keeps groups in flight on a worker pool and hands out complete groups from a ready bank."""
 
@@ -650,6 +665,7 @@ class AsyncCollector:
             self._counters_reported = Counter(self.counters)
             rows = [r for g in groups for r in g.rows]
             metrics = self._metrics(groups, start, end, min(carried_in, n_groups), counters0)
+            metrics.update(_dropped_stale_metrics(stale))
             if self.partial_k:
                 metrics.update(groups_split=split, samples_carried=carried,
                                remainder_parts=sum(g.part > 0 for g in groups))

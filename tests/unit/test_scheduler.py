@@ -39,7 +39,8 @@ class ScriptedRunner:
         if (job.sample_index, job.attempt) in spec.get("fail", ()):
             return self.failed_row(job, "container_vanished")
         return {"group_id": job.group_id, "sample_index": job.sample_index, "attempt": job.attempt,
-                "outcome": "success", "reason": "tests_passed", "policy_versions": versions,
+                "outcome": "success", "reason": "tests_passed", "reward": spec.get("reward", 1.0),
+                "policy_versions": versions,
                 "min_policy_version": min(versions), "max_policy_version": max(versions)}
 
     def failed_row(self, job: EpisodeJob, reason: str) -> dict:
@@ -219,7 +220,7 @@ def test_a_batch_reports_its_tokens_mean_and_max_lag():
 def test_collector_never_hands_out_groups_beyond_the_lag_bound():
     c, _ = _collector(max_policy_lag=1)
     try:
-        c.submit([("old", {"seconds": 0.05})])
+        c.submit([("old", {"seconds": 0.05, "reward": 0.25})])
         time.sleep(0.3)  # complete at version 0, banked
         c.update_weights(lambda: None, 1)
         c.update_weights(lambda: None, 2)  # "old" is now 2 versions behind
@@ -227,6 +228,10 @@ def test_collector_never_hands_out_groups_beyond_the_lag_bound():
         batch = c.next_batch(1, timeout_s=10)
         assert [g.group_id for g in batch.groups] == ["new"]
         assert batch.metrics["dropped_stale"] == 1 and batch.metrics["lag_hist_0"] == 1
+        assert batch.metrics["dropped_stale_samples"] == 2 and batch.metrics["dropped_stale_reward_mean"] == 0.25
+        c.submit([("next", {"seconds": 0.05})])
+        nothing_cut = c.next_batch(1, timeout_s=10).metrics
+        assert nothing_cut["dropped_stale_samples"] == 0 and "dropped_stale_reward_mean" not in nothing_cut
     finally:
         c.close()
 

@@ -131,11 +131,14 @@ def test_step_line_as_printed():
 
 def test_sample_lag_and_partial_groups_are_stored_and_printed():
     partial = {"sample_lag_mean": 0.4012, "sample_lag_max": 1, "batch_samples": 16, "groups_split": 2,
-               "samples_carried": 3, "remainder_parts": 1}
+               "samples_carried": 3, "remainder_parts": 1, "dropped_stale_samples": 4,
+               "dropped_stale_reward_mean": 0.125}
     s = summary(sched={**SCHED, **partial})
-    assert {k: s.to_json()[k] for k in partial} == {**partial, "sample_lag_mean": 0.401}
-    assert "sample_lag mean/max=0.40/1 partial split/carried/parts=2/3/1 " in s.line()
+    assert {k: s.to_json()[k] for k in partial} == {**partial, "sample_lag_mean": 0.401,
+                                                    "dropped_stale_reward_mean": 0.125}
+    assert "sample_lag mean/max=0.40/1 partial split/carried/parts=2/3/1 stale_cut=4 reward 0.125 " in s.line()
     assert "sample_lag" not in summary().line() and "partial" not in summary().line()
+    assert "stale_cut" not in summary().line()
 
 
 def test_step_line_says_whether_the_step_learned():
