@@ -198,6 +198,7 @@ class StepSummary:
                                  "tis_masked_frac", "rows_with_signal", "optimizer_step")},
             "rows_trained": m.get("rows_trained", b.rows), "segments_trained": m.get("segments_trained", b.rows),
             "update_norm": m.get("update_norm"),
+            **{k: m[k] for k in ("logprob_abs_diff_lag0", "lag0_token_frac") if k in m},
             "trainer_state_s": round(t.trainer_state_s, 2), "trainer_state_restored": t.trainer_state_restored,
             "checkpoint": p.checkpoint, "policy_version": p.version, "publish_pattern": p.pattern,
             "publish_latency_s": round(p.latency_s, 3), "upload_wait_s": round(p.upload_wait_s, 3),
@@ -276,7 +277,10 @@ def format_summary(s: dict) -> str:
     return (f"step {s['step']}: {learning_verdict(s)} | time_to_batch={s['time_to_batch_s']:.1f}s "
             f"reward_mean={s['reward_mean']:.3f} "
             f"outcomes[{outcomes}] policy_lag_max={s['policy_lag_max']:.0f} "
-            f"logprob_mismatch={s['logprob_abs_diff']:.2e} kl_k3={s['kl_k3']:.1e} "
+            f"logprob_mismatch={s['logprob_abs_diff']:.2e} "
+            + (f"(lag-0 tokens: {s['logprob_abs_diff_lag0']:.2e} over {s['lag0_token_frac']:.2f}) "
+               if s.get("lag0_token_frac") else "")
+            + f"kl_k3={s['kl_k3']:.1e} "
             f"ratio_p05/p95={s['ratio_p05']:.3f}/{s['ratio_p95']:.3f} capped={s['tis_capped_frac']:.3f} "
             f"masked={s['tis_masked_frac']:.3f} "
             f"checkpoint={s['checkpoint']} publish[{s.get('publish_pattern', 'storage')}] "

@@ -37,7 +37,7 @@ def train_step(run: Run, batch: RolloutStats, step: int) -> TrainStats:
     ``policy_lag_max``: the served version minus the oldest behaviour version among the rows.
     """
     rows = read_step(run.fs, batch.uri).to_pylist()
-    metrics = run.trainer.step(rows)
+    metrics = run.trainer.step(rows, run.policy.version)  # the trainer holds the served version's weights
     decisions = run.trainer.last_row_decisions
     if decisions:
         write_divergence(run.fs, run.layout.divergence(step), decisions)

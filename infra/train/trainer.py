@@ -227,18 +227,24 @@ class GRPOTrainer:
         self.last_row_decisions: list[dict] = []
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps_done = 0
+        self._version: int | None = None  # of the step being run (see step)
 
-    def step(self, rows: list[dict]) -> dict[str, float]:
+    def step(self, rows: list[dict], policy_version: int | None = None) -> dict[str, float]:
         """Run one GRPO step on ``rows`` (trajectory rows as stored).
+
+        ``policy_version``: the version of the weights this trainer holds (the served one); tokens sampled
+        by it have lag 0, and their mismatch is reported apart (None: no token counts as lag 0).
 
         Returns:
             Metrics: ``rows_trained``, ``rows_with_signal`` (non-zero advantage), ``segments_trained``
             (token sequences scored: a row's segments, see :func:`split_segments`), ``optimizer_step``
             (0 when no row carries signal: the step is skipped rather than moving weights on
             optimizer momentum alone), ``loss_tokens``, ``loss``, ``grad_norm``, ``logprob_abs_diff``
-            (mean |trainer - rollout| logprob), ``kl_k1``, ``kl_k3``, ``tis_capped_frac``, ``tis_masked_frac``
-            (of loss tokens), ``unkept_frac`` (of loss tokens: outside the trainer's top-k/top-p set,
-            weight 0, see ``tis_policy_loss``), ``ratio_p05/p50/p95`` (token ratios trainer/rollout),
+            (mean |trainer - rollout| logprob), ``logprob_abs_diff_lag0`` (the same over lag-0 tokens only:
+            numerical mismatch, not policy lag; 0.0 when none) and ``lag0_token_frac``, ``kl_k1``, ``kl_k3``,
+            ``tis_capped_frac``, ``tis_masked_frac`` (of loss tokens), ``unkept_frac`` (of loss tokens: outside
+            the trainer's top-k/top-p set, weight 0, see ``tis_policy_loss``), ``ratio_p05/p50/p95`` (token
+            ratios trainer/rollout),
             ``missing_logprobs``, ``rows_dropped_divergence``, ``rows_downweighted_divergence``,
             ``update_norm``, ``train_s``. ``update_norm`` is ``||theta_after - theta_before||_2`` over all
             trainable parameters, the fp32 master weights (DeepSpeed's ``safe_get_full_fp32_param``; the
@@ -247,8 +253,9 @@ class GRPOTrainer:
         """
         import torch
 
-        self._lead("step", rows)
+        self._lead("step", rows, policy_version)
         start = time.monotonic()
+        self._version = policy_version
         episodes = eligible_rows(rows)
         adv = group_advantages(np.array([r["reward"] for r in episodes], dtype=np.float64),
                                [r["group_id"] for r in episodes], scale_by_std=self.scale_by_std,
@@ -261,7 +268,8 @@ class GRPOTrainer:
                 m = np.zeros_like(m)
             masks.append(m[1:])  # position 0 is never predicted
         total_tokens = int(sum(m.sum() for m in masks))
-        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing", "unkept"), 0.0)
+        sums = dict.fromkeys(("tokens", "abs_diff", "k1", "k3", "capped", "masked", "missing", "unkept",
+                              "tokens_lag0", "abs_diff_lag0"), 0.0)
         ratios = []
         loss_value = 0.0
         self.engine.train()
@@ -311,6 +319,8 @@ class GRPOTrainer:
             "loss": loss_value,
             "grad_norm": float(grad_norm) if grad_rows and grad_norm is not None else 0.0,
             "logprob_abs_diff": sums["abs_diff"] / tokens,
+            "logprob_abs_diff_lag0": sums["abs_diff_lag0"] / max(sums["tokens_lag0"], 1.0),
+            "lag0_token_frac": sums["tokens_lag0"] / tokens,
             "kl_k1": sums["k1"] / tokens,
             "kl_k3": sums["k3"] / tokens,
             "tis_capped_frac": sums["capped"] / max(total_tokens, 1),
@@ -382,6 +392,7 @@ class GRPOTrainer:
         attn = torch.zeros((len(idx), width), dtype=torch.long)
         mask = torch.zeros((len(idx), width - 1))
         rollout = torch.zeros((len(idx), width - 1))
+        lag0 = torch.zeros((len(idx), width - 1), dtype=torch.bool)
         for b, i in enumerate(idx):
             toks = rows[i]["token_ids"][: self.max_seq_len]
             n = len(toks)
@@ -390,6 +401,9 @@ class GRPOTrainer:
             mask[b, : n - 1] = torch.from_numpy(masks[i])
             lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
             rollout[b, : n - 1] = torch.from_numpy(lp[1:])
+            if self._version is not None:
+                versions = np.asarray(rows[i]["policy_versions"][: self.max_seq_len])
+                lag0[b, : n - 1] = torch.from_numpy(versions[1:] == self._version)
         row_ids = torch.arange(len(idx))[:, None].expand_as(mask)[mask.bool()]
         hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         sel = mask.bool()
@@ -402,6 +416,9 @@ class GRPOTrainer:
         loss, sums, ratios = tis_policy_loss(lp, rollout[sel], row_adv, mask[sel], total_tokens, self.tis_cap,
                                              level=self.tis_level, row_ids=row_ids, mask_low=self.mask_ratio_low,
                                              mask_high=self.mask_ratio_high, row_weight=row_weight, kept=kept)
+        at_lag0 = lag0[sel] & ~torch.isnan(rollout[sel]) & kept  # the tokens tis_policy_loss counts, at lag 0
+        diff = (lp.detach() - torch.nan_to_num(rollout[sel])).abs()
+        sums = {**sums, "tokens_lag0": float(at_lag0.sum()), "abs_diff_lag0": float(diff[at_lag0].sum())}
         return loss, sums, ratios, decisions
 
     def _divergence_decisions(self, rows: list[dict], idx: list[int], lp, rollout, row_ids):

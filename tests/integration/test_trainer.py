@@ -228,3 +228,21 @@ def test_close_ends_the_group_the_trainer_started_and_restores_its_environment(t
     trainer.close()
     assert not dist.is_initialized()
     assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+
+
+def test_mismatch_at_lag_0_is_reported_apart_from_the_lagged_tokens(tiny_model, tiny_tokenizer):
+    """Rows sampled by the trainer's own version (lag 0) match it exactly; lagged rows (here: rollout logprobs
+    0.5 off) raise ``logprob_abs_diff`` but not ``logprob_abs_diff_lag0``."""
+    rows, _ = _truncated_rows(tiny_model, tiny_tokenizer, 0.8, 20, 1.0)
+    for n, r in enumerate(rows):
+        version = 3 if n % 2 else 2  # the trainer holds v3
+        r["policy_versions"] = [-1 if not m else version for m in r["loss_mask"]]
+        if version == 2:
+            r["rollout_logprobs"] = [lp - 0.5 if m else lp for lp, m in zip(r["rollout_logprobs"], r["loss_mask"],
+                                                                             strict=True)]
+    current = sum(sum(r["loss_mask"]) for n, r in enumerate(rows) if n % 2)
+    m = _trainer(tiny_model, micro_batch_rows=2, temperature=0.8, top_k=20).step(rows, policy_version=3)
+    assert m["logprob_abs_diff_lag0"] < 1e-5 and m["logprob_abs_diff"] > 0.1
+    assert m["lag0_token_frac"] == pytest.approx(current / sum(sum(r["loss_mask"]) for r in rows))
+    unknown = _trainer(tiny_model, micro_batch_rows=2, temperature=0.8, top_k=20).step(rows)
+    assert unknown["lag0_token_frac"] == 0.0 and unknown["logprob_abs_diff_lag0"] == 0.0

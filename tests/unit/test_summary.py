@@ -164,3 +164,10 @@ def test_metrics_are_namespaced_and_a_new_field_needs_only_its_record():
     m = summary(TrainWithSpikes(TRAIN, 1.0, 2.5, "v2", stage_s=20.0, grad_spikes=3)).metrics()
     assert m["train/grad_spikes"] == 3.0
     assert summary(TrainWithSpikes(TRAIN, 1.0, 2.5, "v2", grad_spikes=3)).to_json()["metrics"]["train/grad_spikes"] == 3
+
+
+def test_mismatch_at_lag_0_is_stored_and_printed_apart():
+    s = summary(TrainStats({**TRAIN, "logprob_abs_diff_lag0": 1e-6, "lag0_token_frac": 0.4}, 1.0, 2.5, "v2"))
+    assert s.to_json()["logprob_abs_diff_lag0"] == 1e-6 and s.to_json()["lag0_token_frac"] == 0.4
+    assert "logprob_mismatch=2.00e-05 (lag-0 tokens: 1.00e-06 over 0.40) kl_k3=" in s.line()
+    assert "lag-0" not in summary().line()
