@@ -84,8 +84,9 @@ bench-learning-agentic: up model
 	$(SERVICES) && $(PY) -m benchmarks.learning_curve --config configs/learn-agentic.toml --seeds 0 1
 
 # A local Prefect server (UI on :4200) and a worker on the process pool; `make server-down` stops them.
+# SERVER_HOST=<address> binds it there for other machines, with basic auth (the string in .state/prefect-auth).
 server: up
-	$(SERVICES) && $(PY) -m infra.prefect_server start
+	$(SERVICES) && $(PY) -m infra.prefect_server start $(if $(SERVER_HOST),--host $(SERVER_HOST))
 
 server-down:
 	$(PY) -m infra.prefect_server stop

@@ -276,28 +276,34 @@ def watch(pid: int, runs_file: Path, api_url: str, period_s: float = 0.2) -> int
     return 0
 
 
-def ensure_zombie_automation(api_url: str) -> None:
+def ensure_zombie_automation(api_url: str, auth: str | None = None) -> None:
     """Create Prefect's documented zombie-flow automation on the server unless present.
 
     A flow run whose heartbeats (every :data:`HEARTBEAT_S`) stop for 3 periods without a final state is
-    marked Crashed (docs.prefect.io/v3/advanced/detect-zombie-flows).
+    marked Crashed (docs.prefect.io/v3/advanced/detect-zombie-flows). ``auth``: the server's basic-auth
+    string (``user:password``, Prefect's ``PREFECT_API_AUTH_STRING``), if it has one.
     """
+    import base64
+
     import httpx
 
-    existing = httpx.post(f"{api_url}/automations/filter", json={}, timeout=10).json()
-    if any(a["name"] == ZOMBIE_AUTOMATION for a in existing):
-        return
-    automation = {
-        "name": ZOMBIE_AUTOMATION, "enabled": True,
-        "trigger": {"type": "event", "posture": "Proactive", "after": ["prefect.flow-run.heartbeat"],
-                    "expect": ["prefect.flow-run.heartbeat", "prefect.flow-run.Completed",
-                               "prefect.flow-run.Failed", "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"],
-                    "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
-                    "for_each": ["prefect.resource.id"], "threshold": 1, "within": 3 * HEARTBEAT_S},
-        "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
-                     "message": f"no heartbeat for {3 * HEARTBEAT_S} s: the flow's process died"}],
-    }
-    httpx.post(f"{api_url}/automations/", json=automation, timeout=10).raise_for_status()
+    headers = {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth else {}
+    with httpx.Client(timeout=10, headers=headers) as client:
+        existing = client.post(f"{api_url}/automations/filter", json={}).raise_for_status().json()
+        if any(a["name"] == ZOMBIE_AUTOMATION for a in existing):
+            return
+        automation = {
+            "name": ZOMBIE_AUTOMATION, "enabled": True,
+            "trigger": {"type": "event", "posture": "Proactive", "after": ["prefect.flow-run.heartbeat"],
+                        "expect": ["prefect.flow-run.heartbeat", "prefect.flow-run.Completed",
+                                   "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                                   "prefect.flow-run.Crashed"],
+                        "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
+                        "for_each": ["prefect.resource.id"], "threshold": 1, "within": 3 * HEARTBEAT_S},
+            "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
+                         "message": f"no heartbeat for {3 * HEARTBEAT_S} s: the flow's process died"}],
+        }
+        client.post(f"{api_url}/automations/", json=automation).raise_for_status()
 
 
 def main(argv: list[str] | None = None) -> int:

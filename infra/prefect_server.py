@@ -1,12 +1,15 @@
 """A local Prefect server and a process worker, started and stopped by pid file (``make server``).
 
-The server (``prefect server start``, SQLite under ``$PREFECT_HOME``) listens on 127.0.0.1; the
-worker polls a process work pool (created if missing). ``start`` also saves the API URL in the
-checkout's Prefect profile (``agentrl`` in ``$PREFECT_HOME/profiles.toml``, made active), so every
-``make`` target, flow and ``prefect`` command with this ``PREFECT_HOME`` reaches this server instead of
-starting another on the same database, and creates the zombie-flow automation (runs whose heartbeats
-stop are marked Crashed). ``stop`` ends exactly what ``start`` started and removes the URL from the
-profile. This module runs the ``prefect`` CLI as subprocesses and does not import Prefect.
+The server (``prefect server start``, SQLite under ``$PREFECT_HOME``) listens on 127.0.0.1, or on the
+address ``--host`` names, for workers and flows on other machines: then every API route but the health
+probes needs Prefect's basic-auth string (``PREFECT_SERVER_API_AUTH_STRING`` on the server,
+``PREFECT_API_AUTH_STRING`` on clients; one is made and saved unless given). The worker polls a process
+work pool (created if missing). ``start`` also saves the API URL (and auth string) in the checkout's
+Prefect profile (``agentrl`` in ``$PREFECT_HOME/profiles.toml``, made active), so every ``make`` target,
+flow and ``prefect`` command with this ``PREFECT_HOME`` reaches this server instead of starting another
+on the same database, and creates the zombie-flow automation (runs whose heartbeats stop are marked
+Crashed). ``stop`` ends exactly what ``start`` started and removes the URL from the profile. This module
+runs the ``prefect`` CLI as subprocesses and does not import Prefect.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ def profiles_path() -> Path:
     return Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")) / "profiles.toml"
 
 
-def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
+def save_api_url(api_url: str | None, path: Path | None = None, auth: str | None = None) -> Path:
     """Set (or, with None, remove) ``PREFECT_API_URL`` in the ``agentrl`` profile and make it active; returns the file.
 
-    ``path``: the profiles file (default :func:`profiles_path`). Other profiles in the file are kept.
+    ``path``: the profiles file (default :func:`profiles_path`). ``auth``: also ``PREFECT_API_AUTH_STRING``
+    (removed with the URL, or when None). Other profiles in the file are kept.
     """
     import toml
 
@@ -43,6 +47,7 @@ def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
     data = toml.loads(path.read_text()) if path.is_file() else {}
     profile = data.setdefault("profiles", {}).setdefault(PROFILE, {})
     previous = path.with_name("profiles.agentrl-previous-active")  # the profile active before ours
+    profile.pop("PREFECT_API_AUTH_STRING", None)
     if api_url is None:
         profile.pop("PREFECT_API_URL", None)
         if data.get("active") == PROFILE and previous.is_file():
@@ -50,6 +55,8 @@ def save_api_url(api_url: str | None, path: Path | None = None) -> Path:
         previous.unlink(missing_ok=True)
     else:
         profile["PREFECT_API_URL"] = api_url
+        if auth:
+            profile["PREFECT_API_AUTH_STRING"] = auth
         if data.get("active", PROFILE) != PROFILE:
             previous.write_text(data["active"])
         data["active"] = PROFILE
@@ -70,17 +77,33 @@ def _alive(pid_file: Path) -> int | None:
 
 
 def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 180.0,
-          home: Path | None = None) -> str:
+          home: Path | None = None, host: str = "127.0.0.1", advertise: str = "", auth: str | None = None) -> str:
     """Start the server and a worker on ``pool`` unless already running; returns the API URL.
 
     ``home``: the ``PREFECT_HOME`` of both (its database, and the profile saved there); default the
-    caller's ``$PREFECT_HOME``.
+    caller's ``$PREFECT_HOME``. ``host``: the address the server binds; ``advertise``: the one clients
+    reach it at (default ``host``; needed for ``0.0.0.0``). Beyond loopback the server needs ``auth``
+    (``user:password``): without one, a random one is made and kept in ``state/prefect-auth`` (mode 600).
+    The auth string is saved in the profile with the URL (:func:`auth_string` reads it back).
 
     Raises:
+        ValueError: ``host`` binds every address and ``advertise`` is empty; ``auth`` on loopback.
         RuntimeError: the server did not become healthy in time (the message has its log tail).
     """
+    import secrets
+
+    if host in ("0.0.0.0", "::") and not advertise:
+        raise ValueError(f"host = {host!r} binds every address: give the advertised address clients reach")
+    loopback = _is_loopback(host)
+    if loopback and auth:
+        raise ValueError("an auth string is for a server bound beyond loopback (host)")
     state.mkdir(parents=True, exist_ok=True)
-    api_url = f"http://127.0.0.1:{port}/api"
+    if not loopback:
+        auth_file = state / "prefect-auth"
+        auth = auth or auth_string(state) or f"agentrl:{secrets.token_urlsafe(24)}"
+        auth_file.touch(mode=0o600)
+        auth_file.write_text(auth)
+    api_url = f"http://{advertise or host}:{port}/api"
     home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     from infra.reaper import unmarked_env
 
@@ -88,12 +111,16 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    env.pop("PREFECT_API_AUTH_STRING", None)
+    env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
+    server_env = {**env, "PREFECT_SERVER_API_AUTH_STRING": auth} if auth else env
+    env = {**env, "PREFECT_API_AUTH_STRING": auth} if auth else env  # the CLI calls and the worker below
     server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
     if _alive(server_pid) is None:
         with open(server_log, "ab") as log:
-            proc = subprocess.Popen([prefect_cli(), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+            proc = subprocess.Popen([prefect_cli(), "server", "start", "--host", host, "--port", str(port),
                                      "--analytics-off"], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=server_env)
         server_pid.write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + timeout_s
     while not healthy(api_url):
@@ -105,8 +132,8 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     if pools.returncode != 0:
         subprocess.run([prefect_cli(), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
                        capture_output=True)
-    ensure_zombie_automation(api_url)
-    save_api_url(api_url, home / "profiles.toml")
+    ensure_zombie_automation(api_url, auth)
+    save_api_url(api_url, home / "profiles.toml", auth)
     (state / "prefect-home").write_text(str(home))
     worker_pid, worker_log = state / "prefect-worker.pid", state / "prefect-worker.log"
     if _alive(worker_pid) is None:
@@ -116,6 +143,21 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
                                     start_new_session=True, env=env)
         worker_pid.write_text(f"{proc.pid}\n")
     return api_url
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not loopback
+        return False
+
+
+def auth_string(state: Path) -> str | None:
+    """The auth string of the server started with ``state`` beyond loopback (``PREFECT_API_AUTH_STRING``), if any."""
+    path = state / "prefect-auth"
+    return path.read_text().strip() if path.is_file() else None
 
 
 def stop(state: Path) -> list[str]:
@@ -141,10 +183,15 @@ def stop(state: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m infra.prefect_server start|stop [--port 4200]``."""
+    """CLI: ``python -m infra.prefect_server start|stop [--port 4200] [--host ADDRESS [--advertise ADDRESS]]``.
+
+    Beyond loopback the auth string is ``$PREFECT_SERVER_API_AUTH_STRING`` if set, else made (and printed).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["start", "stop"])
     parser.add_argument("--port", type=int, default=4200)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback: basic auth)")
+    parser.add_argument("--advertise", default="", help="address clients reach (default --host)")
     default_state = os.environ.get("AGENTRL_STATE", str(Path(__file__).parent.parent / ".state"))
     parser.add_argument("--state", default=default_state)
     args = parser.parse_args(argv)
@@ -152,11 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     # `prefect deploy` prints reach it; `stop` removes it again
     user_profiles = Path.home() / ".prefect" / "profiles.toml"
     if args.action == "start":
-        api_url = start(Path(args.state), args.port)
+        api_url = start(Path(args.state), args.port, host=args.host, advertise=args.advertise,
+                        auth=os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or None)
+        auth = None if _is_loopback(args.host) else auth_string(Path(args.state))
         if user_profiles != profiles_path():
-            save_api_url(api_url, user_profiles)
-        print(f"Prefect API {api_url} (UI http://127.0.0.1:{args.port}); worker on pool {POOL}; saved as the "
+            save_api_url(api_url, user_profiles, auth)
+        print(f"Prefect API {api_url} (UI {api_url.removesuffix('/api')}); worker on pool {POOL}; saved as the "
               f"active profile '{PROFILE}' in {profiles_path()} and {user_profiles}")
+        if auth:
+            print(f"basic auth on every route but /health: on other machines set PREFECT_API_URL={api_url} and "
+                  f"PREFECT_API_AUTH_STRING from {Path(args.state) / 'prefect-auth'}")
     else:
         print(f"stopped: {', '.join(stop(Path(args.state))) or 'nothing'}")
         if user_profiles != profiles_path() and user_profiles.is_file():

@@ -1,7 +1,8 @@
 """A stage run by a Prefect worker on another machine (a network namespace), its result read back through S3.
 
-The Prefect server and S3 stay on the flow machine's loopback; the node reaches them only through
-forwarders on the bridge. The worker polls a work pool of its own; the stage (``build_envs``, deployed
+The Prefect server binds the flow machine's bridge address (``infra.prefect_server.start(host=...)``), with
+Prefect's basic auth on every route but the health probes; S3 stays on loopback and the node reaches it
+through a forwarder on the bridge. The worker polls a work pool of its own; the stage (``build_envs``, deployed
 from ``prefect.yaml`` onto that pool) persists its return value to the ``RemoteFileSystem`` block of
 ``infra.prefect_results``, and the flow machine reads it from S3 (its own local result folder never
 holds it).
@@ -30,32 +31,48 @@ POOL = "stages-elsewhere"
 
 def test_a_stage_on_a_worker_in_another_namespace_returns_its_result_through_s3(services_env, s3, tmp_path,
                                                                                  monkeypatch):
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    import httpx
 
     from infra import prefect_server
-    from infra.prefect_results import SLUG, save_s3_result_storage
 
     prefect = str(Path(sys.executable).with_name("prefect"))
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
     state = tmp_path / "prefect-state"
-    api = prefect_server.start(state, port=free_port(), home=tmp_path / "home")
+    s3_at = urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
+    with netns.nodes(1, SUBNET) as (node,), \
+            netns.forward((s3_at.hostname, s3_at.port), host=f"{SUBNET}.1") as s3_port:
+        try:
+            port = free_port(f"{SUBNET}.1")
+            api = prefect_server.start(state, port=port, home=tmp_path / "home", host=f"{SUBNET}.1")
+            auth = prefect_server.auth_string(state)
+            assert api == f"http://{SUBNET}.1:{port}/api" and auth
+            assert httpx.post(f"{api}/flows/filter", json={}).status_code == 401  # not without the auth string
+            assert httpx.post(f"{api}/flows/filter", json={}, auth=tuple(auth.split(":", 1))).status_code == 200
+            with pytest.raises(httpx.ConnectError):  # nothing of it on loopback
+                httpx.get(f"http://127.0.0.1:{port}/api/health")
+            _stage_elsewhere(api, auth, node, s3_port, s3, tmp_path, prefect)
+        finally:
+            prefect_server.stop(state)
+
+
+def _stage_elsewhere(api, auth, node, s3_port, s3, tmp_path, prefect):
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from infra.prefect_results import SLUG, save_s3_result_storage
+
     worker = None
     try:
-        api_at, s3_at = urlsplit(api), urlsplit(services_env["AGENTRL_S3_ENDPOINT"])
-        with netns.nodes(1, SUBNET) as (node,), \
-                netns.forward((api_at.hostname, api_at.port), host=f"{SUBNET}.1") as api_port, \
-                netns.forward((s3_at.hostname, s3_at.port), host=f"{SUBNET}.1") as s3_port, \
-                temporary_settings({PREFECT_API_URL: api}):
+        with temporary_settings({PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
             endpoint = f"http://{SUBNET}.1:{s3_port}"  # S3 as every machine reaches it, the flow machine too
             assert save_s3_result_storage("agentrl", endpoint) == SLUG
-            env = {**os.environ, "PREFECT_API_URL": api, "AGENTRL_ROOT": str(ROOT)}
+            env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth, "AGENTRL_ROOT": str(ROOT)}
             for cmd in (["work-pool", "create", POOL, "--type", "process"],
                         ["--no-prompt", "deploy", "--name", "build_envs", "--pool", POOL]):
                 done = subprocess.run([prefect, *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
                                       timeout=300)
                 assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-            node_env = {**os.environ, "PREFECT_API_URL": f"http://{SUBNET}.1:{api_port}/api",
+            node_env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth,
                         "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": SLUG, "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
                         "AGENTRL_S3_ENDPOINT": endpoint, "PREFECT_WORKER_QUERY_SECONDS": "2",
                         "PREFECT_HOME": str(tmp_path / "node-home")}
@@ -83,4 +100,3 @@ def test_a_stage_on_a_worker_in_another_namespace_returns_its_result_through_s3(
         if worker is not None:
             worker.terminate()
             worker.wait(30)
-        prefect_server.stop(state)
