@@ -16,7 +16,8 @@ SCHEDULING_KEYS = ("episode_s_p50", "episode_s_p90", "episode_s_max", "straggler
                    "generation_tokens_per_s", "prefix_cache_hit_rate", "groups_carried_in", "groups_dropped",
                    "groups_skipped_zero_variance", "groups_filled_zero_variance", "groups_refilled",
                    "zero_variance_wait_s", "sample_lag_mean", "sample_lag_max", "batch_samples", "groups_split",
-                   "samples_carried", "remainder_parts", "dropped_stale_samples", "dropped_stale_reward_mean")
+                   "samples_carried", "remainder_parts", "remainders_cancelled", "dropped_stale_samples",
+                   "dropped_stale_reward_mean")
 
 
 #: Where an episode's wall time goes (:func:`episode_time_split`), in order; they sum to ``episode_s``.

@@ -28,7 +28,9 @@ groups until they are in hand, straggler tail included. Three mechanisms, and an
   flight with at least ``k`` finished samples is split at the moment the batch is taken; its
   finished samples train now as one part (their GRPO baseline from those samples only: advantages
   are computed per group id within a batch), and its running samples are carried as the group's
-  remainder, banked and trained as a part of their own when they finish. A group completes at its
+  remainder, banked and trained as a part of their own when they finish; a remainder of one sample is
+  cancelled instead (alone, its advantage is 0: it would hold a sandbox and engine time for no signal).
+  A group completes at its
   slowest sibling; on long-tailed agentic episodes that sibling holds the whole group (the idea of
   training on partial groups is prime-rl's; AReaL and slime carry unfinished rollouts instead).
 
@@ -555,8 +557,9 @@ class AsyncCollector:
         token-weighted mean and max), ``batch_samples`` (final rows handed out).
         With ``partial_group_min_samples``: the batch is ``n_groups * G`` samples or a few more (parts of
         groups count by their rows), and ``groups_split`` (groups split at this call),
-        ``samples_carried`` (their samples still running, carried) and ``remainder_parts`` (parts of the
-        batch that were carried before) are recorded.
+        ``samples_carried`` (their samples still running, carried), ``remainders_cancelled`` (splits that
+        left one running sample: cancelled, as a part of one has no signal) and ``remainder_parts`` (parts
+        of the batch that were carried before) are recorded.
         ``on_progress(ready, n)`` is called (without the scheduler's lock) when the count of ready
         groups changes.
 
@@ -637,7 +640,7 @@ class AsyncCollector:
                                            f"after {timeout_s} s")
                     self._changed.wait(timeout=0.5)
                 skipped: list[Group] = []
-                split = carried = 0
+                split = carried = lone = 0
                 if self.partial_k:
                     groups = self.bank.take_samples(need, self.policy_version)
                     have = sum(len(g.final) for g in groups)
@@ -646,7 +649,12 @@ class AsyncCollector:
                             break
                         groups.append(g.split(self.clock()))
                         have += len(groups[-1].final)
-                        split, carried = split + 1, carried + g.group_size
+                        split += 1
+                        if g.group_size == 1:
+                            self._cancel(g)
+                            lone += 1
+                        else:
+                            carried += g.group_size
                 elif self.dynamic_sampling:
                     groups, skipped = self.bank.take_with_signal(n_groups, self.policy_version,
                                                                  self.max_extra_groups, self.in_launch_order)
@@ -667,7 +675,7 @@ class AsyncCollector:
             metrics = self._metrics(groups, start, end, min(carried_in, n_groups), counters0)
             metrics.update(_dropped_stale_metrics(stale))
             if self.partial_k:
-                metrics.update(groups_split=split, samples_carried=carried,
+                metrics.update(groups_split=split, samples_carried=carried, remainders_cancelled=lone,
                                remainder_parts=sum(g.part > 0 for g in groups))
             if self.dynamic_sampling:
                 metrics.update(self._zero_variance_metrics(n_groups, groups, skipped, start, end))
@@ -955,9 +963,13 @@ class AsyncCollector:
 
     def _drop(self, g: Group, why: str) -> None:
         g.dropped = why
-        self._groups.pop(g.group_id, None)
         self._dropped.append(g)
         self.counters["dropped_infra"] += 1
+        self._cancel(g)
+
+    def _cancel(self, g: Group) -> None:
+        """Stop ``g``: out of flight, its running attempts cancelled (their late results ignored), no retries."""
+        self._groups.pop(g.group_id, None)
         for job in [j for j in self._running.values() if j.group_id == g.group_id]:
             job.cancel.set()
             self._running.pop(id(job), None)

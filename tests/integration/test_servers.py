@@ -137,16 +137,16 @@ def test_weight_update_mid_trajectory_is_recorded_per_token(engine, backend, hel
 
 
 class HoldSample:
-    """The real episode runner, with every attempt of one sample index held back until ``release`` is set."""
+    """The real episode runner, with every attempt of some sample indices held back until ``release`` is set."""
 
-    def __init__(self, runner, sample_index: int):
-        self.runner, self.sample_index, self.release = runner, sample_index, threading.Event()
+    def __init__(self, runner, sample_indices: set[int]):
+        self.runner, self.sample_indices, self.release = runner, sample_indices, threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
     def run(self, job):
-        if job.sample_index == self.sample_index:
+        if job.sample_index in self.sample_indices:
             assert self.release.wait(300), "the test never released the held sample"
         return self.runner.run(job)
 
@@ -154,26 +154,27 @@ class HoldSample:
 def test_partial_groups_train_finished_samples_and_the_remainder_after_an_update(engine, backend, hello_image,
                                                                                   tiny_model):
     task, images = hello_image
-    c = _collector(engine, backend, images, max_turns=2, group_size=3, partial_group_min_samples=2,
+    c = _collector(engine, backend, images, max_turns=2, group_size=4, partial_group_min_samples=2,
                    update_policy="pause")
-    held = c.runner = HoldSample(c.runner, 2)
+    held = c.runner = HoldSample(c.runner, {2, 3})
     try:
         c.submit([("g-a", task), ("g-b", task)])
-        first = c.next_batch(1, timeout_s=300)  # 3 samples asked: no group is complete, both are split
+        first = c.next_batch(1, timeout_s=300)  # 4 samples asked: no group is complete, both are split
         c.update_weights(lambda: engine.load_weights(str(tiny_model), 1), 1)
         held.release.set()
-        second = c.next_batch(1, timeout_s=300)  # only the two remainders of one sample each can come
+        second = c.next_batch(1, timeout_s=300)  # only the two remainders of two samples each can come
     finally:
         held.release.set()
         c.drain(60)
         c.close()
-    assert first.metrics["groups_split"] == 2 and first.metrics["samples_carried"] == 2
+    assert first.metrics["groups_split"] == 2 and first.metrics["samples_carried"] == 4
     assert sorted((r["group_id"], r["sample_index"]) for r in first.train_rows()) == [
         ("g-a", 0), ("g-a", 1), ("g-b", 0), ("g-b", 1)]
     assert {r["max_policy_version"] for r in first.train_rows()} == {0}
-    assert second.metrics["remainder_parts"] == 2 and second.metrics["batch_samples"] == 2
+    assert second.metrics["remainder_parts"] == 2 and second.metrics["batch_samples"] == 4
     rows = second.train_rows()
-    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [("g-a", 2), ("g-b", 2)]
+    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [("g-a", 2), ("g-a", 3), ("g-b", 2),
+                                                                         ("g-b", 3)]
     for row in rows:  # held until after the update: every sampled token is version 1's
         assert {v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m} == {1}
     assert second.metrics["sample_lag_mean"] == 0.0

@@ -161,27 +161,44 @@ def test_split_parts_a_group_into_its_finished_samples_and_the_running_remainder
 
 
 def test_partial_groups_train_finished_samples_and_carry_the_rest():
-    """G=4, k=3: two groups each hold one slow sample. A batch of 1 group (4 samples) waits for b's third
-    sample (a's 3 are not enough), then takes the finished samples of both (6 rows; the slow ones carried),
-    and the next batch gets the two carried samples as parts of their own (short: nothing else in flight)."""
-    c, _ = _collector(group_size=4, partial_group_min_samples=3)
+    """G=4, k=2: two groups each hold two slow samples. A batch of 1 group (4 samples) waits for b's second
+    sample (a's 2 are not enough), then takes the finished samples of both (4 rows; the slow ones carried),
+    and the next batch gets the carried samples as parts of their own (short: nothing else in flight)."""
+    c, _ = _collector(group_size=4, partial_group_min_samples=2)
     try:
-        c.submit([("a", {"seconds": [0.05, 0.05, 0.05, 1.5]}), ("b", {"seconds": [0.3, 0.3, 0.3, 1.5]})])
+        c.submit([("a", {"seconds": [0.05, 0.05, 1.5, 1.5]}), ("b", {"seconds": [0.3, 0.3, 1.5, 1.5]})])
         batch = c.next_batch(1, timeout_s=10)
-        assert [(g.group_id, g.part, len(g.final)) for g in batch.groups] == [("a", 0, 3), ("b", 0, 3)]
-        assert {r["sample_index"] for r in batch.train_rows()} == {0, 1, 2}
+        assert [(g.group_id, g.part, len(g.final)) for g in batch.groups] == [("a", 0, 2), ("b", 0, 2)]
+        assert {r["sample_index"] for r in batch.train_rows()} == {0, 1}
         m = batch.metrics
-        assert (m["groups_split"], m["samples_carried"], m["remainder_parts"], m["batch_samples"]) == (2, 2, 0, 6)
-        assert c.in_flight == 2 and c.room() == 4 - 1  # the two carried samples weigh half a group of 4
+        assert (m["groups_split"], m["samples_carried"], m["remainder_parts"], m["batch_samples"]) == (2, 4, 0, 4)
+        assert m["remainders_cancelled"] == 0
+        assert c.in_flight == 2 and c.room() == 4 - 1  # the four carried samples weigh one group of 4
         deadline = time.monotonic() + 10
         while c.in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert c.in_flight == 0 and c.room() == 4 - 1  # banked, the two parts still weigh half a group
+        assert c.in_flight == 0 and c.room() == 4 - 1  # banked, the two parts still weigh one group
         rest = c.next_batch(1, timeout_s=10)
         assert sorted((g.group_id, g.part) for g in rest.groups) == [("a", 1), ("b", 1)]
-        assert [r["sample_index"] for r in rest.train_rows()] == [3, 3]
+        assert sorted(r["sample_index"] for r in rest.train_rows()) == [2, 2, 3, 3]
         m = rest.metrics
-        assert (m["groups_split"], m["remainder_parts"], m["batch_samples"]) == (0, 2, 2)
+        assert (m["groups_split"], m["remainder_parts"], m["batch_samples"]) == (0, 2, 4)
+    finally:
+        c.close()
+
+
+def test_a_split_that_would_leave_one_running_sample_cancels_it():
+    """G=4, k=3: a part of one sample has no GRPO signal, so the last running sample is cancelled, not carried."""
+    c, _ = _collector(group_size=4, partial_group_min_samples=3)
+    try:
+        c.submit([("a", {"seconds": [0.05, 0.05, 0.05, 5.0]}), ("b", {"seconds": [0.3, 0.3, 0.3, 5.0]})])
+        batch = c.next_batch(1, timeout_s=10)  # 4 samples: a's 3 are not enough, b's 3 finish it
+        assert [(g.group_id, g.part, len(g.final)) for g in batch.groups] == [("a", 0, 3), ("b", 0, 3)]
+        m = batch.metrics
+        assert (m["groups_split"], m["samples_carried"], m["remainders_cancelled"]) == (2, 0, 2)
+        assert c.in_flight == 0 and c.room() == 4  # nothing held for it: not in flight, not banked
+        time.sleep(0.3)  # its cancelled attempt returns (ScriptedRunner honours cancel) and is ignored
+        assert c.in_flight == 0 and len(c.bank) == 0
     finally:
         c.close()
 
