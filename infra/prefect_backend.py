@@ -132,11 +132,15 @@ def flow_backend(home: Path | None = None) -> Iterator[str]:
         server, api_url = start_temporary_server(home)
     runs_file = home / f"flow-runs-{os.getpid()}-{time.time_ns()}.txt"
     runs_file.write_text("")
+    from prefect.settings import PREFECT_API_AUTH_STRING
+
+    auth = PREFECT_API_AUTH_STRING.value() if server is None else None  # the profile's or the environment's
     with open(home / "watchdog.log", "ab") as log_file:
         watchdog = subprocess.Popen([sys.executable, "-m", "infra.prefect_backend", "watch", "--pid", str(os.getpid()),
                                      "--runs-file", str(runs_file), "--api-url", api_url],
                                     stdin=subprocess.DEVNULL, start_new_session=True, stdout=log_file,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT,
+                                    env={**os.environ, **({"PREFECT_API_AUTH_STRING": auth} if auth else {})})
     previous = os.environ.get(FLOW_RUNS_FILE)
     os.environ[FLOW_RUNS_FILE] = str(runs_file)
     try:
@@ -225,20 +229,32 @@ def descendants(pid: int) -> dict[int, int]:
 
 
 def crash_flow_runs(api_url: str, flow_run_ids: list[str], pid: int) -> list[str]:
-    """Mark ``Crashed`` those of ``flow_run_ids`` that are not in a final state; returns their ids."""
+    """Mark ``Crashed`` those of ``flow_run_ids`` that are not in a final state; returns their ids.
+
+    Sends ``$PREFECT_API_AUTH_STRING`` (basic auth) when set. Raises ``httpx.HTTPStatusError`` on a refused call.
+    """
     import httpx
 
     crashed = []
-    for run_id in flow_run_ids:
-        fr = httpx.get(f"{api_url}/flow_runs/{run_id}", timeout=10).json()
-        if (fr.get("state") or {}).get("type") in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED"):
-            continue
-        state = {"type": "CRASHED", "name": "Crashed",
-                 "message": f"the flow's process (pid {pid}) died without ending this run (killed?); "
-                            "marked Crashed by agentrl's watchdog"}
-        httpx.post(f"{api_url}/flow_runs/{run_id}/set_state", json={"state": state, "force": True}, timeout=10)
-        crashed.append(run_id)
+    with httpx.Client(timeout=10, headers=auth_headers(os.environ.get("PREFECT_API_AUTH_STRING"))) as client:
+        for run_id in flow_run_ids:
+            fr = client.get(f"{api_url}/flow_runs/{run_id}").raise_for_status().json()
+            if (fr.get("state") or {}).get("type") in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED"):
+                continue
+            state = {"type": "CRASHED", "name": "Crashed",
+                     "message": f"the flow's process (pid {pid}) died without ending this run (killed?); "
+                                "marked Crashed by agentrl's watchdog"}
+            client.post(f"{api_url}/flow_runs/{run_id}/set_state",
+                        json={"state": state, "force": True}).raise_for_status()
+            crashed.append(run_id)
     return crashed
+
+
+def auth_headers(auth: str | None) -> dict[str, str]:
+    """The ``Authorization`` header Prefect's basic auth expects for ``auth`` (``user:password``); {} for None."""
+    import base64
+
+    return {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth else {}
 
 
 def watch(pid: int, runs_file: Path, api_url: str, period_s: float = 0.2) -> int:
@@ -283,12 +299,9 @@ def ensure_zombie_automation(api_url: str, auth: str | None = None) -> None:
     marked Crashed (docs.prefect.io/v3/advanced/detect-zombie-flows). ``auth``: the server's basic-auth
     string (``user:password``, Prefect's ``PREFECT_API_AUTH_STRING``), if it has one.
     """
-    import base64
-
     import httpx
 
-    headers = {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth else {}
-    with httpx.Client(timeout=10, headers=headers) as client:
+    with httpx.Client(timeout=10, headers=auth_headers(auth)) as client:
         existing = client.post(f"{api_url}/automations/filter", json={}).raise_for_status().json()
         if any(a["name"] == ZOMBIE_AUTOMATION for a in existing):
             return

@@ -61,7 +61,10 @@ def save_api_url(api_url: str | None, path: Path | None = None, auth: str | None
             previous.write_text(data["active"])
         data["active"] = PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(toml.dumps(data))
+    if auth:
+        _write_secret(path, toml.dumps(data))  # it holds a secret now
+    else:
+        path.write_text(toml.dumps(data))
     return path
 
 
@@ -87,7 +90,8 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     The auth string is saved in the profile with the URL (:func:`auth_string` reads it back).
 
     Raises:
-        ValueError: ``host`` binds every address and ``advertise`` is empty; ``auth`` on loopback.
+        ValueError: ``host`` binds every address and ``advertise`` is empty; ``auth`` on loopback; ``auth``
+            differs from the one the running server was started with.
         RuntimeError: the server did not become healthy in time (the message has its log tail).
     """
     import secrets
@@ -98,11 +102,14 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     if loopback and auth:
         raise ValueError("an auth string is for a server bound beyond loopback (host)")
     state.mkdir(parents=True, exist_ok=True)
+    server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
+    running = _alive(server_pid) is not None
     if not loopback:
-        auth_file = state / "prefect-auth"
-        auth = auth or auth_string(state) or f"agentrl:{secrets.token_urlsafe(24)}"
-        auth_file.touch(mode=0o600)
-        auth_file.write_text(auth)
+        stored = auth_string(state)
+        if running and auth and stored and auth != stored:
+            raise ValueError(f"the Prefect server of {state} already runs with another auth string; stop it first")
+        auth = (stored if running else auth) or stored or f"agentrl:{secrets.token_urlsafe(24)}"
+        _write_secret(state / "prefect-auth", auth)
     api_url = f"http://{advertise or host}:{port}/api"
     home = home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     from infra.reaper import unmarked_env
@@ -115,8 +122,7 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
     server_env = {**env, "PREFECT_SERVER_API_AUTH_STRING": auth} if auth else env
     env = {**env, "PREFECT_API_AUTH_STRING": auth} if auth else env  # the CLI calls and the worker below
-    server_pid, server_log = state / "prefect-server.pid", state / "prefect-server.log"
-    if _alive(server_pid) is None:
+    if not running:
         with open(server_log, "ab") as log:
             proc = subprocess.Popen([prefect_cli(), "server", "start", "--host", host, "--port", str(port),
                                      "--analytics-off"], stdout=log, stderr=subprocess.STDOUT,
@@ -143,6 +149,14 @@ def start(state: Path, port: int = 4200, pool: str = POOL, timeout_s: float = 18
                                     start_new_session=True, env=env)
         worker_pid.write_text(f"{proc.pid}\n")
     return api_url
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (mode 600, an existing file's mode too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
 
 
 def _is_loopback(host: str) -> bool:
@@ -185,7 +199,8 @@ def stop(state: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m infra.prefect_server start|stop [--port 4200] [--host ADDRESS [--advertise ADDRESS]]``.
 
-    Beyond loopback the auth string is ``$PREFECT_SERVER_API_AUTH_STRING`` if set, else made (and printed).
+    Beyond loopback the auth string is ``$PREFECT_SERVER_API_AUTH_STRING`` if set, else made; either way it is
+    kept in ``<state>/prefect-auth`` (mode 600), whose path is printed.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["start", "stop"])
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     user_profiles = Path.home() / ".prefect" / "profiles.toml"
     if args.action == "start":
         api_url = start(Path(args.state), args.port, host=args.host, advertise=args.advertise,
-                        auth=os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or None)
+                        auth=None if _is_loopback(args.host) else os.environ.get("PREFECT_SERVER_API_AUTH_STRING"))
         auth = None if _is_loopback(args.host) else auth_string(Path(args.state))
         if user_profiles != profiles_path():
             save_api_url(api_url, user_profiles, auth)

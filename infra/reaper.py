@@ -6,10 +6,11 @@ instance, and the sandbox containers of its warm pool would stay until the next 
 :func:`ensure_watchdog` marks the process with ``AGENTRL_OWNER=<host>:<pid>`` in its environment,
 which every process it starts inherits, and which labels every container it starts
 (:func:`infra.sandbox.docker_backend.owner_id`), then starts ``python -m infra.reaper`` detached (its own
-session, no child of the run: a Ray worker's exit kills its children). The watchdog waits on a pidfd of
-the owner (no polling, no pid-reuse race) and, when the owner ends for any reason, SIGKILLs every
-process whose environment carries the mark and removes every container with that owner label. Services
-shared by runs (dockerd, SeaweedFS, the Prefect server) are started without the mark.
+session, no child of the run: a Ray worker's exit kills its children; reparented to init, or to a
+subreaper such as Ray's raylet when Ray is set to be one, which then ends it with the worker). The
+watchdog waits on a pidfd of the owner (no polling, no pid-reuse race) and, when the owner ends for any
+reason, SIGKILLs every process whose environment carries the mark and removes every container with that
+owner label. Services shared by runs (dockerd, SeaweedFS, the Prefect server) are started without the mark.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def ensure_watchdog() -> str:
     owner = f"{socket.gethostname()}:{os.getpid()}"
     # Detached (it forks, its parent exits here): no child of this process, so nothing that kills this
     # process's children on its exit takes the watchdog with it (a Ray worker's exit does: Ray kills them)
-    subprocess.run([sys.executable, "-m", "infra.reaper", "--detach", str(os.getpid()), owner], start_new_session=True,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env=unmarked_env(), cwd=Path(__file__).resolve().parents[1], check=False, timeout=60)
+    started = subprocess.run([sys.executable, "-m", "infra.reaper", "--detach", str(os.getpid()), owner],
+                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=unmarked_env(), cwd=Path(__file__).resolve().parents[1],
+                             check=False, timeout=60)
+    if started.returncode != 0:  # marked all the same: the next run's reaper still finds its containers
+        sys.stderr.write(f"agentrl: the watchdog of {owner} did not start: {started.stderr.decode()[-500:]}\n")
     os.environ[OWNER_ENV] = owner
     return owner
 
@@ -96,6 +100,8 @@ def clean_up(owner: str) -> tuple[int, int]:
                 removed += 1
             except docker.errors.NotFound:
                 pass
+            except docker.errors.APIError as e:  # e.g. 409, its removal already under way: the next one goes on
+                sys.stderr.write(f"agentrl reaper: container {c.short_id} not removed: {e}\n")
     except Exception as e:  # no engine: nothing of ours runs there; the next run's reaper retries
         sys.stderr.write(f"agentrl reaper: containers of {owner} not removed: {type(e).__name__}: {e}\n")
     return killed, removed
@@ -104,18 +110,22 @@ def clean_up(owner: str) -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     """``python -m infra.reaper [--detach] <pid> <owner>``: wait for ``pid`` to end, then :func:`clean_up` ``owner``.
 
-    ``--detach``: fork first and return at once; the fork (reparented to init) waits and cleans up.
+    ``--detach``: open the pidfd, fork, and return at once (so returning means watching); the fork,
+    reparented to init (or to the nearest subreaper), waits and cleans up.
     """
-    if argv and argv[0] == "--detach":
-        argv = argv[1:]
-        if os.fork():
-            return 0
-    pid, owner = int(argv[0]), argv[1]
+    detach = bool(argv) and argv[0] == "--detach"
+    pid, owner = int(argv[detach]), argv[detach + 1]
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        pass  # already gone
-    else:
+        fd = None  # already gone
+    if detach:
+        if os.fork():
+            os._exit(0)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for stream in (0, 1, 2):  # let go of the starter's pipes: it waits for them to close
+            os.dup2(devnull, stream)
+    if fd is not None:
         select.select([fd], [], [])  # readable when the process has ended
     clean_up(owner)
     return 0

@@ -49,11 +49,11 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
                           policy_version=policy_version)
     # A worker on a cluster node is no child of the run, so no run's watchdog covers it: it gets its own,
     # which removes this worker's sandboxes when the worker ends (Ray kills a job's workers when its driver
-    # dies, SIGKILL included). Leftovers of workers that died without one go to reap_orphans.
+    # dies, SIGKILL included). No reap_orphans here: its host:pid test is only sound in the flow's own
+    # PID namespace, and a node (a container with the host's name) may have another.
     ensure_watchdog()
     try:
         backend, loaded = DockerBackend(), []
-        backend.reap_orphans()
         if shipped:
             from infra.sandbox.image_ship import ensure_images
             from infra.storage import s3_filesystem

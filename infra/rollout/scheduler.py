@@ -391,7 +391,8 @@ class BatchResult:
         rows: every attempt of the batch's groups (retried infra failures included): what the
             step's trajectory file records.
         dropped: groups dropped since the previous batch (``group.dropped`` says why: ``stale``,
-            ``infra_failure:<reason>`` or ``zero_variance``, skipped by dynamic sampling), with the
+            ``infra_failure:<reason>``, ``zero_variance``, skipped by dynamic sampling, or ``lone_remainder``,
+            a cancelled one-sample remainder with earlier failed attempts), with the
             attempts they had; never trained on (not in ``rows``: the caller stores them apart).
         metrics: per-batch scheduling figures (see :meth:`AsyncCollector.next_batch`).
     """
@@ -651,7 +652,10 @@ class AsyncCollector:
                         have += len(groups[-1].final)
                         split += 1
                         if g.group_size == 1:
+                            g.dropped = "lone_remainder"
                             self._cancel(g)
+                            if g.attempts:  # its earlier failed attempts: recorded with the dropped groups
+                                self._dropped.append(g)
                             lone += 1
                         else:
                             carried += g.group_size
@@ -970,6 +974,7 @@ class AsyncCollector:
     def _cancel(self, g: Group) -> None:
         """Stop ``g``: out of flight, its running attempts cancelled (their late results ignored), no retries."""
         self._groups.pop(g.group_id, None)
+        self._delayed = [d for d in self._delayed if d[1] is not g]
         for job in [j for j in self._running.values() if j.group_id == g.group_id]:
             job.cancel.set()
             self._running.pop(id(job), None)

@@ -719,6 +719,8 @@ class DockerBackend:
                 removed += 1
             except docker.errors.NotFound:
                 pass
+            except docker.errors.APIError as e:  # e.g. 409: another reaper is removing it
+                log.warning("reap_orphans: container %s not removed: %s", c.short_id, e)
         return removed
 
 

@@ -231,7 +231,7 @@ state_storage = "s3"
             s3.invalidate_cache()
             if s3.exists(f"{root}/checkpoints/v1/manifest.json") and _ours(node_docker):
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -262,10 +262,11 @@ state_storage = "s3"
                                                                                  "step-000001.parquet"]
         assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/checkpoints")
                       if not p.endswith(".lineage.json")) == ["v1", "v2"]
-        history = read_history(s3, layout, ["episode_id", "step", "min_policy_version", "engine_replica",
-                                            "outcome"]).to_pylist()
-        assert len({r["episode_id"] for r in history}) == len(history)  # nothing duplicated
-        assert {r["step"] for r in history} == {0, 1}
+        history = read_history(s3, layout, ["episode_id", "step", "group_id", "sample_index", "min_policy_version",
+                                            "engine_replica", "outcome"]).to_pylist()
+        for step in (0, 1):  # nothing lost, nothing twice: 2 groups x G = 2 per step, each sample once
+            samples = [(r["group_id"], r["sample_index"]) for r in history if r["step"] == step]
+            assert len(samples) == len(set(samples)) == 4, samples
         assert {r["min_policy_version"] for r in history if r["step"] == 1} == {1}  # v1, loaded from S3 there
         assert {r["engine_replica"] for r in history if r["outcome"] != "infra_failure"} == {url}
         assert not [r for r in history if r["outcome"] == "infra_failure"]

@@ -26,3 +26,16 @@ def test_a_server_beyond_loopback_needs_an_address_clients_reach_and_auth_only_t
         prefect_server.start(tmp_path, host="127.0.0.1", auth="a:b")
     assert prefect_server.auth_string(tmp_path) is None
     assert not list(tmp_path.iterdir())  # refused before anything was written or started
+
+
+def test_the_auth_string_is_kept_for_its_owner_only(tmp_path):
+    import stat
+
+    path = tmp_path / "secret"
+    path.write_text("old")
+    path.chmod(0o644)
+    prefect_server._write_secret(path, "agentrl:x")
+    assert path.read_text() == "agentrl:x" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    profiles = tmp_path / "profiles.toml"
+    prefect_server.save_api_url("http://10.0.0.1:4200/api", profiles, "agentrl:x")
+    assert stat.S_IMODE(profiles.stat().st_mode) == 0o600

@@ -33,13 +33,26 @@ def test_the_watchdog_outlives_a_parent_whose_children_are_killed_with_it(tmp_pa
     owner = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env=env, cwd=Path(__file__).resolve().parents[2])
     sleeper = int(owner.stdout.readline())
-    for child in psutil.Process(owner.pid).children():  # what Ray does to a worker's children as it exits
-        if child.pid != sleeper:
-            child.kill()
-    assert psutil.Process(sleeper).is_running()
-    owner.send_signal(signal.SIGKILL)
-    owner.wait()
-    deadline = time.monotonic() + 20
-    while psutil.pid_exists(sleeper) and psutil.Process(sleeper).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "the marked child outlived its owner: no watchdog cleaned up"
-        time.sleep(0.1)
+    try:
+        for child in psutil.Process(owner.pid).children():  # what Ray does to a worker's children as it exits
+            if child.pid != sleeper:
+                child.kill()
+        assert psutil.Process(sleeper).is_running()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 20
+        while _alive(sleeper):
+            assert time.monotonic() < deadline, "the marked child outlived its owner: no watchdog cleaned up"
+            time.sleep(0.1)
+    finally:
+        if _alive(sleeper):
+            psutil.Process(sleeper).kill()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
