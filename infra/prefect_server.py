@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     # `prefect deploy` prints reach it; `stop` removes it again
     user_profiles = Path.home() / ".prefect" / "profiles.toml"
     if args.action == "start":
+        loopback = _is_loopback(args.host)
         api_url = start(Path(args.state), args.port, host=args.host, advertise=args.advertise,
-                        auth=None if _is_loopback(args.host) else os.environ.get("PREFECT_SERVER_API_AUTH_STRING"))
-        auth = None if _is_loopback(args.host) else auth_string(Path(args.state))
+                        auth=None if loopback else os.environ.get("PREFECT_SERVER_API_AUTH_STRING"))
+        auth = None if loopback else auth_string(Path(args.state))  # the one start kept
         if user_profiles != profiles_path():
             save_api_url(api_url, user_profiles, auth)
         print(f"Prefect API {api_url} (UI {api_url.removesuffix('/api')}); worker on pool {POOL}; saved as the "

@@ -227,7 +227,6 @@ class GRPOTrainer:
         self.last_row_decisions: list[dict] = []
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps_done = 0
-        self._version: int | None = None  # of the step being run (see step)
 
     def step(self, rows: list[dict], policy_version: int | None = None) -> dict[str, float]:
         """Run one GRPO step on ``rows`` (trajectory rows as stored).
@@ -255,7 +254,6 @@ class GRPOTrainer:
 
         self._lead("step", rows, policy_version)
         start = time.monotonic()
-        self._version = policy_version
         episodes = eligible_rows(rows)
         adv = group_advantages(np.array([r["reward"] for r in episodes], dtype=np.float64),
                                [r["group_id"] for r in episodes], scale_by_std=self.scale_by_std,
@@ -288,7 +286,7 @@ class GRPOTrainer:
                 if not idx:  # this rank ran out of rows: one of them again (or any), with weight 0
                     idx, weight = (mine or group)[:1], 0.0
                 with torch.set_grad_enabled(with_grad):
-                    loss, m, r, d = self._micro_batch(rows, idx, masks, adv, total_tokens)
+                    loss, m, r, d = self._micro_batch(rows, idx, masks, adv, total_tokens, policy_version)
                 if with_grad:  # DeepSpeed averages over ranks: times the world size, the sum is the 1-rank gradient
                     self.engine.backward(loss * (weight * self.world_size), scale_wrt_gas=False)
                 if weight:
@@ -380,10 +378,11 @@ class GRPOTrainer:
         return float(total.sqrt())
 
     def _micro_batch(self, rows: list[dict], idx: list[int], masks: list[np.ndarray], adv: np.ndarray,
-                     total_tokens: int):
+                     total_tokens: int, policy_version: int | None = None):
         """Loss, metric sums, token ratios and ``(row index, decision)`` pairs of rows ``idx``.
 
-        Rows are padded to the longest; logits only at loss positions.
+        Rows are padded to the longest; logits only at loss positions. Tokens sampled by ``policy_version``
+        count as lag 0 (``tokens_lag0``, ``abs_diff_lag0``).
         """
         import torch
 
@@ -401,9 +400,9 @@ class GRPOTrainer:
             mask[b, : n - 1] = torch.from_numpy(masks[i])
             lp = np.asarray(rows[i]["rollout_logprobs"][: self.max_seq_len], dtype=np.float32)
             rollout[b, : n - 1] = torch.from_numpy(lp[1:])
-            if self._version is not None:
+            if policy_version is not None:
                 versions = np.asarray(rows[i]["policy_versions"][: self.max_seq_len])
-                lag0[b, : n - 1] = torch.from_numpy(versions[1:] == self._version)
+                lag0[b, : n - 1] = torch.from_numpy(versions[1:] == policy_version)
         row_ids = torch.arange(len(idx))[:, None].expand_as(mask)[mask.bool()]
         hidden = self.engine.module.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         sel = mask.bool()
