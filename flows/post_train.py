@@ -12,7 +12,7 @@ import sys
 from prefect import flow, get_run_logger
 
 from flows.naming import flow_run_name, tagged
-from infra.config import RunConfig
+from infra.config import RunConfig, SyncScheduler
 from infra.config_record import claim as claim_config
 from infra.evaluate import PrecisionMismatch
 from infra.run import Run
@@ -75,11 +75,13 @@ def post_train(config: RunConfig = DEFAULT_CONFIG, allow_config_change: bool = F
 def step_rollouts(run: Run, task_ids: list[str], step: int):
     """The step's rollouts (``RolloutStats``).
 
-    On Ray with ``rollout.fan_out = "ray"`` (``tasks.fanout.collect_step_on_ray``; a resumed step collects
-    again), else in this process (``tasks.rollouts.rollouts_for_step``: an earlier attempt's valid file is reused).
+    With ``rollout.fan_out = "ray"`` and the sync scheduler, one Ray task per group
+    (``tasks.fanout.collect_step_on_ray``; a resumed step collects again); else through
+    ``tasks.rollouts.rollouts_for_step`` (an earlier attempt's valid file is reused), whose async collector
+    runs its episodes on Ray actors under ``fan_out = "ray"``.
     """
     deps = task_image_assets(run, task_ids)
-    if run.config.rollout.fan_out == "ray":
+    if run.config.rollout.fan_out == "ray" and isinstance(run.config.rollout.scheduler, SyncScheduler):
         from tasks.fanout import collect_step_on_ray
 
         return collect_step_on_ray(run, task_ids, step, deps, run.config.rollout.ray_address)[0]

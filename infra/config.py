@@ -382,18 +382,15 @@ class RolloutConfig(_Strict):
     warm_pool_max_idle: int = Field(16, ge=0, le=1024)
     """Cap on idle started sandboxes per image."""
     fan_out: Literal["local", "ray"] = "local"
-    """Where the episodes run: ``local``, in the flow's process; ``ray``, one Prefect task per group on the Ray
-    cluster at ``ray_address`` (each node's own dockerd; needs a ``servers`` or ``remote`` engine and
-    ``scheduler = {kind = "sync"}``: the async scheduler's ready bank lives in one process)."""
+    """Where the episodes run: ``local``, in the flow's process; ``ray``, on the Ray cluster at ``ray_address``
+    (each node's own dockerd; needs a ``servers`` or ``remote`` engine). With ``scheduler = {kind = "sync"}``
+    each group is one Prefect task on Ray; with ``async`` the scheduler stays in the flow's process and each
+    episode runs on an actor of a node with CPUs (``infra.rollout.ray_episodes``)."""
     ray_address: str = ""
     """The Ray cluster for ``fan_out = "ray"`` (``<head>:6379``); empty: a local Ray instance started for the run."""
 
     @model_validator(mode="after")
     def _check_fan_out(self):
-        if self.fan_out == "ray" and not isinstance(self.scheduler, SyncScheduler):
-            raise ValueError("rollout.fan_out = \"ray\" needs rollout.scheduler = {kind = \"sync\"} (each group runs "
-                             "to its end as one Ray task; the async scheduler's ready bank and lag rules run in one "
-                             "process)")
         if self.fan_out == "local" and self.ray_address:
             raise ValueError(f"rollout.ray_address = {self.ray_address!r} is set but rollout.fan_out = \"local\" "
                              "(set fan_out = \"ray\" to use the cluster)")

@@ -62,6 +62,7 @@ class Run:
         self._trainer = None
         self._ray_ranks = None  # ranks 1.. as Ray actors (train.launch = "ray")
         self._collector = None
+        self._episode_workers = None  # the collector's episodes on Ray actors (rollout.fan_out = "ray", async)
         self._tasks: dict[str, Task] | None = None
         self._catalog: Catalog | None = None
         self._trainer_state: tuple[Path, str] | None = None  # (folder, tag) to restore when the trainer starts
@@ -246,23 +247,7 @@ class Run:
     def backend(self):
         """The Docker sandbox backend (connects on first use; removes containers of crashed runs)."""
         if self._backend is None:
-            from infra.sandbox.docker_backend import DockerBackend
-
-            t = self.config.tasks
-            egress = None
-            if t.egress.enabled:
-                from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy
-
-                egress = EgressProxy(EGRESS_GATEWAY, t.egress.settings())  # started on its first session
-            from infra.config import build_harness
-
-            harness = build_harness(self.config.rollout.harness)
-            installed = getattr(harness, "gateway_channel", False)  # an agent that runs inside the sandbox
-            self._backend = DockerBackend(
-                mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
-                nano_cpus=int(t.default_cpus * 1e9) or None,
-                ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress,
-                agent_mounts=harness.mounts() if installed else None, agent_channel=installed)
+            self._backend = sandbox_backend(self.config)
             reaped = self._backend.reap_orphans()
             if reaped:
                 log.warning("removed %d sandbox containers left by crashed runs", reaped)
@@ -307,7 +292,7 @@ class Run:
                     servers = start_servers(self._policy.weights_dir, e.count, self.layout.work / "vllm-logs",
                                             dtype=dtype, max_model_len=m.max_model_len, kv_cache_gib=m.kv_cache_gib,
                                             seed=seed, threads=e.threads, host=e.host,
-                                            advertise=e.advertise or None)
+                                            advertise=e.advertise or None, policy_version=self._policy.version)
                     self._engine = ServerEngine(servers, AutoTokenizer.from_pretrained(self._policy.weights_dir),
                                                 e.routing, policy_version=self._policy.version, owns_servers=True)
                 case RemoteEngine() as e:
@@ -401,8 +386,9 @@ class Run:
             if not isinstance(s, AsyncScheduler):
                 raise RuntimeError(f"run {self.config.run_id}: rollout.scheduler.kind = {s.kind!r} has no "
                                    "asynchronous collector")
+            runner = self.episode_runner() if r.fan_out == "local" else self._ray_episode_runner()
             self._collector = AsyncCollector(
-                self.episode_runner(), group_size=r.group_size,
+                runner, group_size=r.group_size,
                 max_groups_in_flight=math.ceil(r.tasks_per_step * s.overprovision),
                 max_concurrent_episodes=s.max_concurrent_episodes, max_policy_lag=s.max_policy_lag,
                 episode_deadline_s=s.episode_deadline_s, infra_policy=s.infra_policy,
@@ -411,6 +397,23 @@ class Run:
                 dynamic_sampling=s.dynamic_sampling, max_extra_groups=s.max_extra_groups,
                 max_mean_token_lag=s.max_mean_token_lag, partial_group_min_samples=s.partial_group_min_samples)
         return self._collector
+
+    def _ray_episode_runner(self):
+        """Episode workers on the Ray cluster (``infra.rollout.ray_episodes``); the task images staged on S3."""
+        from infra.rollout.ray_episodes import RayEpisodeRunner
+        from infra.rollout.servers import RemoteServer
+        from infra.sandbox.image_ship import stage_images
+
+        handles = [s if isinstance(s, RemoteServer) else RemoteServer.of(s) for s in self.engine.servers.values()]
+        token = next((h.token for h in handles if h.token), None)  # one per run: every server has it
+        shipped = stage_images(self.fs, self.backend.client,
+                               {tag for tag, _ in self.catalog.images().values()} | {BASE_IMAGE},
+                               self.layout.images_dir)
+        self._episode_workers = RayEpisodeRunner(
+            self.config, [{**vars(h), "token": None} for h in handles], token, self._policy.version, shipped,
+            self.episode_runner(), self.config.rollout.ray_address,
+            max_concurrent_episodes=self.config.rollout.scheduler.max_concurrent_episodes)
+        return self._episode_workers
 
     # -- tasks and the catalog -----------------------------------------------------------------
     @property
@@ -443,12 +446,14 @@ class Run:
         """Close what was started: collector, engine, trainer, idle warm sandboxes, egress proxy. Idempotent."""
         atexit.unregister(self.close)
         collector, self._collector = self._collector, None
+        workers, self._episode_workers = self._episode_workers, None
         engine, self._engine = self._engine, None
         trainer, self._trainer = self._trainer, None
         ranks, self._ray_ranks = self._ray_ranks, None
         pool, self._pool = self._pool, None
         egress = self._backend.egress if self._backend is not None else None
-        for what, thing in (("collector", collector), ("engine", engine), ("trainer", trainer),
+        for what, thing in (("collector", collector), ("episode workers", workers), ("engine", engine),
+                            ("trainer", trainer),
                             ("trainer ranks", ranks), ("warm pool", pool), ("egress proxy", egress)):
             if thing is None:
                 continue
@@ -456,3 +461,26 @@ class Run:
                 thing.close()
             except Exception:  # noqa: BLE001 - closing the rest matters more than this one's error
                 log.exception("run %s: closing the %s failed", self.config.run_id, what)
+
+
+def sandbox_backend(config: RunConfig):
+    """A Docker sandbox backend with the run's limits, CA bundle, egress proxy and agent mounts.
+
+    On this process's engine (``DOCKER_HOST`` or the local socket): the run's, or a Ray node's episode worker's.
+    """
+    from infra.config import build_harness
+    from infra.sandbox.docker_backend import DockerBackend
+
+    t = config.tasks
+    egress = None
+    if t.egress.enabled:
+        from infra.egress.proxy import EGRESS_GATEWAY, EgressProxy
+
+        egress = EgressProxy(EGRESS_GATEWAY, t.egress.settings())  # started on its first session
+    harness = build_harness(config.rollout.harness)
+    installed = getattr(harness, "gateway_channel", False)  # an agent that runs inside the sandbox
+    return DockerBackend(
+        mem_limit=f"{t.default_memory_mb}m" if t.default_memory_mb else None,
+        nano_cpus=int(t.default_cpus * 1e9) or None,
+        ca_bundle=resolve_path(t.extra_ca_bundle) if t.extra_ca_bundle else None, egress=egress,
+        agent_mounts=harness.mounts() if installed else None, agent_channel=installed)

@@ -134,14 +134,17 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
         return f"{prefix}/{t}/r{next(refills)}", run.tasks[t]
 
     engine = run.engine
-    tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
+    counters0, t0 = _engine_counters(engine, sched.runner), time.monotonic()
     cache0 = engine.prefix_cache()
     sched.submit(groups)
     batch = sched.next_batch(len(task_ids), on_progress=on_progress, refill=refill)
-    wall, busy = time.monotonic() - t0, engine.busy_s - busy0
+    wall = time.monotonic() - t0
+    counters = _engine_counters(engine, sched.runner)
+    tokens = sum(t1 - t0_ for (t0_, _), (t1, _) in zip(counters0, counters, strict=True))
+    busy = max(b1 - b0 for (_, b0), (_, b1) in zip(counters0, counters, strict=True))
     dropped = [row for g in batch.dropped for row in g.rows]
     metrics = dict(batch.metrics)
-    metrics["generation_tokens_per_s"] = (engine.generated_tokens - tokens0) / max(busy, 1e-9)
+    metrics["generation_tokens_per_s"] = tokens / max(busy, 1e-9)
     metrics["engine_idle_s"] = max(0.0, wall - busy)  # waiting on environments (sandboxes, verifiers)
     cache = engine.prefix_cache()
     queries = cache["queries"] - cache0["queries"]
@@ -149,6 +152,13 @@ def _collect_async(run: Run, images: dict, task_ids: list[str], step: int,
     metrics["groups_dropped"] = len(batch.dropped)
     metrics["groups_submitted"] = len(groups)
     return batch.rows, dropped, metrics
+
+
+def _engine_counters(engine, runner) -> list[tuple[int, float]]:
+    """``(tokens sampled, busy s)`` of each engine client the episodes use: the run's, or each Ray actor's."""
+    if hasattr(runner, "engine_counters"):  # episodes on Ray actors (infra.rollout.ray_episodes)
+        return runner.engine_counters()
+    return [(engine.generated_tokens, engine.busy_s)]
 
 
 def rollouts_for_step(run: Run, task_ids: list[str], step: int, deps: list[str]) -> RolloutStats:

@@ -37,6 +37,7 @@ from infra.net import free_port
 from infra.rollout.engine import Sample, SampleRequest
 from infra.rollout.engine_auth import TOKEN_ENV
 from infra.rollout.router import NoLiveReplica, Router, RoutingPolicy
+from infra.rollout.version_gate import VERSION_ENV, VERSION_HEADER
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,18 +56,30 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def server_middleware(token: bool) -> list[str]:
+    """The ``--middleware`` import paths of a server, in the order vLLM adds them.
+
+    Starlette makes the last one added the outermost: the token guard runs first, so the version gate's
+    pause and resume routes need the token too.
+    """
+    return ["infra.rollout.version_gate.VersionGateMiddleware",
+            *(["infra.rollout.engine_auth.EngineTokenMiddleware"] if token else [])]
+
+
 class VLLMServer:
     """One vLLM OpenAI-compatible server process, logging to ``log_path``."""
 
     def __init__(self, model_dir: str, port: int, log_path: Path, dtype: str = "float32",
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None,
                  host: str = "127.0.0.1", advertise: str | None = None, token: str | None = None,
-                 launcher: tuple[str, ...] = ()):
+                 launcher: tuple[str, ...] = (), policy_version: int = 0):
         """Describe a server; :meth:`start` launches it.
 
         ``host``: the address it binds; ``advertise``: the address its clients reach it at (default
         ``host``); ``token``: the bearer token every route but ``/health`` needs (None: none, loopback
-        only); ``launcher``: a command prefix that runs it elsewhere (``ip netns exec node1``).
+        only); ``launcher``: a command prefix that runs it elsewhere (``ip netns exec node1``);
+        ``policy_version``: the version of ``model_dir``'s weights, stamped on its samples
+        (:mod:`infra.rollout.version_gate`) until an update changes it.
 
         Raises:
             ValueError: a non-loopback ``host`` without a token (its ``/collective_rpc`` loads arbitrary
@@ -81,19 +94,20 @@ class VLLMServer:
         self.dtype, self.max_model_len, self.kv_cache_gib, self.seed = dtype, max_model_len, kv_cache_gib, seed
         self.threads, self.host, self.token, self.launcher = threads, host, token, tuple(launcher)
         self.url = f"http://{advertise or host}:{port}"
+        self.policy_version = policy_version
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         """Launch the process (returns at once; :meth:`wait_ready` waits for ``/health``)."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(self.kv_cache_gib)))),
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+               VERSION_ENV: str(self.policy_version)}
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        guard = []
+        guard = [arg for m in server_middleware(bool(self.token)) for arg in ("--middleware", m)]
         if self.token:
             env[TOKEN_ENV] = self.token
-            guard = ["--middleware", "infra.rollout.engine_auth.EngineTokenMiddleware"]
         cmd = [*self.launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                *guard, "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--seed", str(self.seed), "--enable-prefix-caching",
@@ -208,6 +222,7 @@ class ServerEngine:
         self.max_model_len = min(s.max_model_len for s in servers)
         self.dtype = servers[0].dtype
         self.versions = {s.url: policy_version for s in servers}
+        self.request_timeout_s = request_timeout_s
         self._tokens = {httpx.URL(s.url).netloc: s.token for s in servers if getattr(s, "token", None)}
         self._client = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=5.0), auth=self._auth,
                                     limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -297,6 +312,8 @@ class ServerEngine:
         token_ids = list(choice["token_ids"])
         with self._gate:
             self.generated_tokens += len(token_ids)
+        # the server's own stamp (infra.rollout.version_gate) is the truth when another process updates it
+        version = int(resp.headers.get(VERSION_HEADER, version))
         lps = [float(x) if x is not None else float("nan") for x in choice["logprobs"]["token_logprobs"]]
         stop = "length" if choice.get("finish_reason") == "length" else "stop"
         return Sample(token_ids, lps, version, stop, choice["text"], replica)
@@ -417,10 +434,16 @@ class ServerEngine:
         try:
             for url in self.router.live:  # each replica on its own: one failure does not stop the others
                 try:
+                    # the server holds every client's new requests and drains those in flight (other
+                    # processes' episodes included); a failed update leaves it paused until the lease ends
+                    self._client.post(url + "/agentrl/pause", params={"lease_s": self.request_timeout_s}
+                                      ).raise_for_status()
                     resp = self._client.post(url + "/collective_rpc", json=rpc)
                     resp.raise_for_status()
                     self.versions[url] = policy_version  # the weights changed, whatever happens next
                     self._client.post(url + "/reset_prefix_cache").raise_for_status()
+                    self._client.post(url + "/agentrl/resume", params={"version": policy_version}
+                                      ).raise_for_status()
                 except httpx.HTTPError as err:
                     failed.append(f"{url}: {type(err).__name__}: {err}")
                     self.router.mark_dead(url)  # serves no more requests until revived
@@ -458,11 +481,12 @@ class ServerEngine:
 def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float32", max_model_len: int = 2048,
                   kv_cache_gib: float = 1.0, seed: int = 0, threads: int | None = None,
                   timeout_s: float = 300.0, host: str = "127.0.0.1", advertise: str | None = None,
-                  token: str | None = None) -> list[VLLMServer]:
+                  token: str | None = None, policy_version: int = 0) -> list[VLLMServer]:
     """Start ``count`` servers on free ports of ``host`` and wait until all answer ``/health``.
 
     ``advertise``: the address clients reach them at (default ``host``); ``token``: their bearer token
-    (default: a new random one, so that no other user of the machine can reach ``/collective_rpc``).
+    (default: a new random one, so that no other user of the machine can reach ``/collective_rpc``);
+    ``policy_version``: the version of ``model_dir``'s weights (what their samples are stamped with).
 
     Raises:
         ValueError: as :class:`VLLMServer`.
@@ -470,7 +494,8 @@ def start_servers(model_dir: str, count: int, log_dir: Path, dtype: str = "float
     """
     token = token or secrets.token_urlsafe(32)
     servers = [VLLMServer(model_dir, free_port(), Path(log_dir) / f"vllm-{i}.log", dtype, max_model_len,
-                          kv_cache_gib, seed, threads, host=host, advertise=advertise, token=token)
+                          kv_cache_gib, seed, threads, host=host, advertise=advertise, token=token,
+                          policy_version=policy_version)
                for i in range(count)]
     try:
         for s in servers:

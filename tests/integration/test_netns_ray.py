@@ -1,6 +1,8 @@
 """A ``post_train`` run across three nodes (the flow machine and two network namespaces), killed and resumed.
 
-The flow machine runs the flow (trainer rank 0) and the Ray head with no CPUs. Node ``engine`` serves the
+The flow machine runs the flow (trainer rank 0, the async scheduler) and the Ray head with no CPUs; the
+episodes run on an actor of the worker node (``infra.rollout.ray_episodes``), their tokens stamped with the
+version the engine reports (the actor's own client never learns of an update). Node ``engine`` serves the
 run from a vLLM server bound to its bridge address (no S3 keys: it fetches each checkpoint from S3 itself).
 Node ``worker`` runs a Ray worker node with its own dockerd (its own data root and socket, started with no
 image: the flow stages the task images on S3 by image id and the node's workers load them) and trainer
@@ -197,8 +199,9 @@ max_tokens_per_turn = 16
 max_turns = 1
 fan_out = "ray"
 ray_address = "{HOST}:{port}"
+warm_pool = false
 [rollout.scheduler]
-kind = "sync"
+kind = "async"
 [eval]
 enabled = false
 [publish]

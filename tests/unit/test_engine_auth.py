@@ -1,5 +1,7 @@
 """The engines' bearer token: every route but /health refused without it; servers beyond loopback need one."""
 
+import importlib
+
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -7,7 +9,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from infra.rollout.engine_auth import TOKEN_ENV, EngineTokenMiddleware
-from infra.rollout.servers import VLLMServer
+from infra.rollout.servers import VLLMServer, server_middleware
 
 
 def _app(monkeypatch, token="s3cret"):
@@ -18,17 +20,24 @@ def _app(monkeypatch, token="s3cret"):
 
     app = Starlette(routes=[Route(p, ok, methods=["GET", "POST"]) for p in
                             ("/health", "/collective_rpc", "/v1/completions", "/reset_prefix_cache")])
-    app.add_middleware(EngineTokenMiddleware)  # as vLLM's --middleware adds it
+    for path in server_middleware(token=True):  # as vLLM's --middleware adds a server's, in its order
+        module, name = path.rsplit(".", 1)
+        app.add_middleware(getattr(importlib.import_module(module), name))
     return TestClient(app)
 
 
 def test_control_and_inference_routes_need_the_token(monkeypatch):
     client = _app(monkeypatch)
+    assert client.post("/agentrl/pause").status_code == 401  # the version gate's routes sit behind the token
+    assert client.post("/agentrl/resume", params={"version": 9}).status_code == 401
+    assert client.get("/agentrl/version", headers={"Authorization": "Bearer s3cret"}).json()["version"] == 0
     for path in ("/collective_rpc", "/v1/completions", "/reset_prefix_cache"):
         assert client.post(path).status_code == 401, path  # vLLM's --api-key leaves /collective_rpc open
         assert client.post(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert client.post(path, headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert client.post(path, headers={"Authorization": "Bearer s3cret"}).text == "ok"
+    stamped = client.post("/v1/completions", headers={"Authorization": "Bearer s3cret"})
+    assert "x-agentrl-policy-version" in stamped.headers
     assert client.get("/health").text == "ok"  # readiness probes stay open
 
 

@@ -1,0 +1,89 @@
+"""The server-side version stamp and update drain (infra.rollout.version_gate), on a stand-in ASGI app."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from infra.rollout.version_gate import VERSION_ENV, VERSION_HEADER, VersionGateMiddleware
+
+
+class SlowApp:
+    """Answers 200 to anything; a generation request waits for ``release`` (a request in flight)."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["path"] == "/v1/completions":
+            self.started += 1
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+
+
+def test_an_update_waits_for_every_request_in_flight_and_later_ones_carry_the_new_version(monkeypatch):
+    monkeypatch.setenv(VERSION_ENV, "3")
+
+    async def scenario():
+        inner = SlowApp()
+        gate = VersionGateMiddleware(inner)
+        async with _client(gate) as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={}))
+            while not inner.started:
+                await asyncio.sleep(0.01)
+            pause = asyncio.create_task(c.post("/agentrl/pause"))
+            await asyncio.sleep(0.1)
+            assert not pause.done()  # the request in flight holds the update
+            held = asyncio.create_task(c.post("/v1/completions", json={}))
+            await asyncio.sleep(0.1)
+            assert inner.started == 1  # admitted only after resume
+            inner.release.set()
+            r1 = await first
+            assert r1.headers[VERSION_HEADER] == "3"  # sampled by the weights it was admitted under
+            assert (await pause).json() == {"version": 3, "paused": True, "in_flight": 0}
+            await asyncio.sleep(0.1)
+            assert not held.done()
+            resumed = await c.post("/agentrl/resume", params={"version": 4})
+            assert resumed.json()["version"] == 4 and not resumed.json()["paused"]
+            assert (await held).headers[VERSION_HEADER] == "4"
+            other = await c.get("/health")
+            assert VERSION_HEADER not in other.headers  # only generation responses are stamped
+            assert (await c.get("/agentrl/version")).json() == {"version": 4, "paused": False, "in_flight": 0}
+
+    asyncio.run(scenario())
+
+
+def test_a_pause_never_resumed_ends_with_its_lease():
+    async def scenario():
+        inner = SlowApp()
+        inner.release.set()
+        async with _client(VersionGateMiddleware(inner)) as c:
+            await c.post("/agentrl/pause", params={"lease_s": 0.2})
+            held = asyncio.create_task(c.post("/v1/completions", json={}))
+            await asyncio.sleep(0.05)
+            assert not held.done()
+            r = await asyncio.wait_for(held, timeout=5)
+            assert r.status_code == 200 and r.headers[VERSION_HEADER] == "0"  # the version did not change
+
+    asyncio.run(scenario())
+
+
+def test_bad_control_requests_are_refused_by_name(monkeypatch):
+    async def scenario():
+        async with _client(VersionGateMiddleware(SlowApp())) as c:
+            r = await c.post("/agentrl/resume")
+            assert r.status_code == 400 and "version=<int>" in r.json()["error"]
+            assert (await c.post("/agentrl/resume", params={"version": "x"})).status_code == 400
+            r = await c.get("/agentrl/pause")
+            assert r.status_code == 404 and "GET /agentrl/pause" in r.json()["error"]
+
+    asyncio.run(scenario())
+    monkeypatch.setenv(VERSION_ENV, "v2")
+    with pytest.raises(ValueError, match=VERSION_ENV):
+        VersionGateMiddleware(SlowApp())
