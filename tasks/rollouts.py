@@ -12,6 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.assets import add_asset_metadata
 
 from infra.config import AsyncScheduler, SyncScheduler
+from infra.rollout.scheduler import row_tokens_by_version
 from infra.run import Run
 from infra.store import write_step
 from infra.summary import RolloutStats, egress_totals, episode_time_split
@@ -97,7 +98,9 @@ def store_step(run: Run, step: int, rows: list[dict], dropped_rows: list[dict], 
 
 def policy_version_tokens(rows: list[dict]) -> dict[int, int]:
     """Sampled tokens per policy version over ``rows`` (``policy_versions`` where ``loss_mask`` is 1)."""
-    counts = Counter(v for row in rows for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
+    counts: Counter = Counter()
+    for row in rows:
+        counts.update(row_tokens_by_version({k: row[k] for k in ("policy_versions", "loss_mask")}))
     return dict(sorted(counts.items()))
 
 

@@ -103,6 +103,23 @@ class EpisodeRunner(Protocol):
         ...
 
 
+def row_tokens_by_version(row: dict) -> Counter:
+    """A row's sampled tokens per policy version.
+
+    From its per-token ``policy_versions`` where ``loss_mask`` is 1 (``infra.store`` rows), or its
+    ``tokens_by_version`` (``{version: tokens}``, the simulator's rows); a row with neither counts its
+    ``min_policy_version`` once (none when it is -1: nothing sampled).
+    """
+    counts: Counter = Counter()
+    if "tokens_by_version" in row:
+        counts.update({int(v): n for v, n in row["tokens_by_version"].items()})
+    elif "policy_versions" in row and "loss_mask" in row:
+        counts.update(v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
+    elif row.get("min_policy_version", -1) >= 0:
+        counts[row["min_policy_version"]] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One finished attempt: the runner's row, and beside it the scheduler's timings (collector clock, s)."""
@@ -114,21 +131,9 @@ class Attempt:
     _tokens_by_version: Counter | None = field(default=None, repr=False, compare=False)
 
     def tokens_by_version(self) -> Counter:
-        """The row's sampled tokens per policy version (cached: a finished row does not change).
-
-        From its per-token ``policy_versions`` where ``loss_mask`` is 1 (``infra.store`` rows), or its
-        ``tokens_by_version`` (``{version: tokens}``, the simulator's rows); a row with neither counts its
-        ``min_policy_version`` once.
-        """
-        if self._tokens_by_version is None:
-            row, counts = self.row, Counter()
-            if "tokens_by_version" in row:
-                counts.update({int(v): n for v, n in row["tokens_by_version"].items()})
-            elif "policy_versions" in row and "loss_mask" in row:
-                counts.update(v for v, m in zip(row["policy_versions"], row["loss_mask"], strict=True) if m)
-            elif row.get("min_policy_version", -1) >= 0:
-                counts[row["min_policy_version"]] += 1
-            object.__setattr__(self, "_tokens_by_version", counts)  # frozen: set once, as a cache
+        """:func:`row_tokens_by_version` of the row (cached: a finished row does not change)."""
+        if self._tokens_by_version is None:  # frozen: set once, as a cache
+            object.__setattr__(self, "_tokens_by_version", row_tokens_by_version(self.row))
         return self._tokens_by_version
 
 
