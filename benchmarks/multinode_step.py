@@ -1,9 +1,11 @@
 """One ``post_train`` step on one node against the same step spread over three network namespaces.
 
 ``1-node``: the flow, one vLLM server (``engine.kind = "servers"``) and one trainer rank on this machine.
-``3-ns``: the flow and trainer rank 0 here; the vLLM server on node A (``python -m infra.rollout.servers``
-bound to its bridge address, fetching checkpoints from S3 through a forwarder); trainer rank 1 on node B
-(``python -m infra.train.ranks``). Both use storage publication and the same tasks, seeds and batch.
+``3-ns``: the flow (its scheduler) and trainer rank 0 here, the Ray head with no CPUs; the vLLM server on
+node A (``python -m infra.rollout.servers`` bound to its bridge address, fetching checkpoints from S3 through a
+forwarder); on node B a dockerd of its own, a Ray worker node running the episodes
+(``rollout.fan_out = "ray"``) and trainer rank 1 (``python -m infra.train.ranks``). Both use storage publication
+and the same tasks, seeds and batch; B's nodes are kept across rounds (its images load in the first run).
 Layouts alternate within each round (the first run after a pause is slower on these machines). Prints
 each run's stage seconds (``rollout_s``, ``train_s``, ``publish_s``, ``step_s``) and the 3-ns / 1-node
 ratio of the medians. Needs root (namespaces), ``make up`` services and the model.
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -64,8 +66,15 @@ def one_node(base: Path) -> dict:
     return _run(_config(base, ServersEngine(count=1, threads=1)))
 
 
-def three_namespaces(base: Path, log_dir: Path) -> dict:
-    """The step with the engine and trainer rank 1 on two namespaced nodes; its stage seconds."""
+@contextmanager
+def three_namespaces(base: Path, log_dir: Path):
+    """The nodes of the 3-ns layout, kept for every round; yields a function that runs the step once on them.
+
+    Node A serves (``python -m infra.rollout.servers``, no S3 keys: it fetches checkpoints from S3 through a
+    forwarder); node B runs a dockerd of its own (started with no image), a Ray worker node (the flow machine
+    is the Ray head, with no CPUs) and trainer rank 1 for each run. Episodes run on B's actor, in sandboxes on
+    B's engine, under the config's own scheduler; the task images reach B through S3 in the first run.
+    """
     from infra.config import RemoteEngine, load_config
     from infra.model import resolve_model
     from infra.rollout.engine_auth import TOKEN_ENV
@@ -74,12 +83,16 @@ def three_namespaces(base: Path, log_dir: Path) -> dict:
     m = load_config(base).model
     model = str(resolve_model(m.path))
     os.environ[TOKEN_ENV] = secrets.token_urlsafe(16)
+    ray = str(Path(sys.executable).with_name("ray"))
+    token = subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, text=True, check=True)
+    ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token.stdout.strip().splitlines()[-1]}
+    os.environ.update(ray_auth)  # the flow (this process) joins the cluster with it
     s3_at = urlsplit(os.environ["AGENTRL_S3_ENDPOINT"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}  # no S3 keys there
     with ExitStack() as stack:
-        engine_node, trainer_node = stack.enter_context(netns.nodes(2))
+        engine_node, worker_node = stack.enter_context(netns.nodes(2))
         s3_port = stack.enter_context(netns.forward((s3_at.hostname, s3_at.port)))
-        port, master = free_port(), f"{netns.HOST}:{free_port()}"
+        port = free_port()
         server = subprocess.Popen([*engine_node.launcher, sys.executable, "-m", "infra.rollout.servers", "--model",
                                    model, "--host", engine_node.address, "--port", str(port),
                                    "--dtype", m.serving_dtype,
@@ -91,11 +104,29 @@ def three_namespaces(base: Path, log_dir: Path) -> dict:
         url = f"http://{engine_node.address}:{port}"
         if not server.stdout.readline().startswith(f"serving {model} at {url}"):
             raise RuntimeError(f"the server on {engine_node.netns} did not start: {log_dir / 'vllm.log'}")
-        rank1 = subprocess.Popen([*trainer_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
-                                  master, "--rank", "1", "--world-size", "2"], env=env, cwd=ROOT,
-                                 stdout=open(log_dir / "rank1.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-        stack.callback(rank1.kill)
-        return _run(_config(base, RemoteEngine(urls=[url]), 2, master, f"http://{netns.HOST}:{s3_port}"))
+        _, node_socket = netns.node_dockerd(worker_node, Path(f"/tmp/bench-mn-docker-{uuid.uuid4().hex[:6]}"),
+                                            log_dir / "node-dockerd.log", stack)
+        node_env = {**os.environ, "DOCKER_HOST": node_socket,
+                    "AGENTRL_S3_ENDPOINT": f"http://{netns.HOST}:{s3_port}"}
+        ray_address = netns.ray_cluster(netns.HOST, worker_node, dict(os.environ), node_env, log_dir, stack)
+
+        def run_once() -> dict:
+            import ray as ray_api
+
+            master = f"{netns.HOST}:{free_port()}"
+            rank1 = subprocess.Popen([*worker_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
+                                      master, "--rank", "1", "--world-size", "2"], env=env, cwd=ROOT,
+                                     stdout=open(log_dir / "rank1.log", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115
+            try:
+                c = _config(base, RemoteEngine(urls=[url]), 2, master, f"http://{netns.HOST}:{s3_port}")
+                c = c.model_copy(update={"rollout": c.rollout.model_copy(update={"fan_out": "ray",
+                                                                                 "ray_address": ray_address})})
+                return _run(c)
+            finally:
+                rank1.kill()
+                ray_api.shutdown()  # the next run joins again
+
+        yield run_once
 
 
 def main() -> None:
@@ -113,12 +144,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-mn-"))
     runs: dict[str, list[dict]] = {"1-node": [], "3-ns": []}
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # Prefect's own, if no API
-    for r in range(a.rounds):
-        order = ("1-node", "3-ns") if r % 2 == 0 else ("3-ns", "1-node")
-        for layout in order:
-            result = one_node(a.config) if layout == "1-node" else three_namespaces(a.config, work)
-            runs[layout].append(result)
-            print(f"round {r} {layout}: {json.dumps(result)}", flush=True)
+    with three_namespaces(a.config, work) as on_three:
+        for r in range(a.rounds):
+            order = ("1-node", "3-ns") if r % 2 == 0 else ("3-ns", "1-node")
+            for layout in order:
+                result = one_node(a.config) if layout == "1-node" else on_three()
+                runs[layout].append(result)
+                print(f"round {r} {layout}: {json.dumps(result)}", flush=True)
     medians = {lay: {k: statistics.median(x[k] for x in rs) for k in STAGES} for lay, rs in runs.items()}
     for k in STAGES:
         print(f"{k}: 1-node {medians['1-node'][k]:.1f}  3-ns {medians['3-ns'][k]:.1f}  "

@@ -33,9 +33,9 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
 
     ``fan_out="ray"`` runs one Prefect task per group on Ray (``prefect-ray``; a local Ray instance,
     or the cluster at ``ray_address``; ``tasks.fanout.collect_step_on_ray``); it needs a ``servers`` or
-    ``remote`` engine, which the workers reach over HTTP. With the async scheduler the episodes run on Ray
-    actors as the config's ``rollout.fan_out`` says (``infra.rollout.ray_episodes``); the parameters cannot
-    change that.
+    ``remote`` engine, which the workers reach over HTTP. When the config itself says ``rollout.fan_out = "ray"``
+    with the async scheduler, the run's collector runs the episodes on Ray actors instead
+    (``infra.rollout.ray_episodes``).
 
     Args:
         config: the run config (the form's defaults are the deployment's config; its run_id names the run).
@@ -51,16 +51,18 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         outcomes, reward mean, ...; with Ray also ``fan_out`` and ``worker_pids``).
 
     Raises:
-        ValueError: ``fan_out="ray"`` with an in-process engine (``engine.kind = "inproc"``); with the async
-            scheduler, ``fan_out``/``ray_address`` other than the config's.
+        ValueError: ``fan_out="ray"`` with an in-process engine (``engine.kind = "inproc"``); ``fan_out="local"``
+            against a config's ``fan_out = "ray"`` with the async scheduler.
     """
     fan_out = fan_out or config.rollout.fan_out
     ray_address = config.rollout.ray_address if ray_address is None else ray_address
-    sync = isinstance(config.rollout.scheduler, SyncScheduler)
-    if not sync and (fan_out, ray_address) != (config.rollout.fan_out, config.rollout.ray_address):
-        raise ValueError(f"collect_rollouts: fan_out={fan_out!r}, ray_address={ray_address!r} differ from the config's "
-                         "rollout.fan_out / rollout.ray_address; with rollout.scheduler.kind = \"async\" set them in "
-                         "the config (the run's collector is built from it)")
+    # the run's async collector runs its episodes on Ray actors when the config says so; else one task per group
+    per_group = isinstance(config.rollout.scheduler, SyncScheduler) or \
+        (fan_out, ray_address) != (config.rollout.fan_out, config.rollout.ray_address)
+    if fan_out == "local" and config.rollout.fan_out == "ray" and not isinstance(config.rollout.scheduler,
+                                                                                 SyncScheduler):
+        raise ValueError("collect_rollouts: fan_out=\"local\" cannot override rollout.fan_out = \"ray\" with the async "
+                         "scheduler (the run's collector is built from the config); set it in the config")
     if fan_out == "ray" and not isinstance(config.engine, ServersEngine | RemoteEngine):
         raise ValueError(f"collect_rollouts: fan_out=\"ray\" needs engine.kind = \"servers\" or \"remote\", not "
                          f"{config.engine.kind!r} (Ray workers reach the engines over HTTP; an in-process engine "
@@ -71,7 +73,7 @@ def collect_rollouts(config: RunConfig = DEFAULT_CONFIG, step: int | None = None
         step = next_step if step is None else step
         selection = refresh_difficulty(run, step)
         deps = task_image_assets(run, selection.chosen)
-        if fan_out == "ray" and sync:
+        if fan_out == "ray" and per_group:
             from tasks.fanout import collect_step_on_ray
 
             result, placed = collect_step_on_ray(run, selection.chosen, step, deps, ray_address)

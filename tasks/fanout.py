@@ -46,7 +46,7 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
     token = os.environ.get(TOKEN_ENV)  # set by ray_task_runner(env=...): a token is never a task parameter
     handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
-                          policy_version=policy_version)
+                          policy_version=policy_version, declare_version=False)
     # A worker on a cluster node is no child of the run, so no run's watchdog covers it: it gets its own,
     # which removes this worker's sandboxes when the worker ends (Ray kills a job's workers when its driver
     # dies, SIGKILL included). No reap_orphans here: its host:pid test is only sound in the flow's own

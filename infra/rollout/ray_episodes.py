@@ -54,7 +54,7 @@ class EpisodeWorker:
         token = os.environ.get(TOKEN_ENV)
         handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
         self.engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir),
-                                   config.engine.routing, policy_version=policy_version)
+                                   config.engine.routing, policy_version=policy_version, declare_version=False)
         self.backend = sandbox_backend(config)
         self.loaded: list[str] = []
         if shipped:

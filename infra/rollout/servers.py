@@ -210,10 +210,14 @@ class ServerEngine:
     """
 
     def __init__(self, servers: list[VLLMServer], tokenizer, policy: RoutingPolicy = "affinity",
-                 policy_version: int = 0, request_timeout_s: float = 600.0, owns_servers: bool = False):
+                 policy_version: int = 0, request_timeout_s: float = 600.0, owns_servers: bool = False,
+                 declare_version: bool = True):
         """Route over started ``servers`` with the model's ``tokenizer`` by ``policy``.
 
-        ``owns_servers``: :meth:`close` stops the servers (the engine started them).
+        ``owns_servers``: :meth:`close` stops the servers (the engine started them). ``declare_version``: tell
+        the servers they serve ``policy_version`` now (:mod:`infra.rollout.version_gate`), as the engine that
+        updates them does; False for a client that only samples (an episode worker), which takes the servers'
+        stamps.
         """
         self.owns_servers = owns_servers
         self.servers = {s.url: s for s in servers}
@@ -235,6 +239,8 @@ class ServerEngine:
         self.generated_tokens = 0  # tokens sampled so far, all replicas
         self.busy_s = 0.0  # seconds with at least one request in flight on some replica
         self._busy_since: float | None = None
+        if declare_version:
+            self._declare(policy_version)
 
     def _auth(self, request: httpx.Request) -> httpx.Request:
         """Add the replica's bearer token (:mod:`infra.rollout.engine_auth`) to a request to it."""
@@ -242,6 +248,20 @@ class ServerEngine:
         if token:
             request.headers["Authorization"] = f"Bearer {token}"
         return request
+
+    def _declare(self, policy_version: int) -> None:
+        """Set each server's stamped version; a server without the version gate is logged (its stamps absent)."""
+        for url in self.servers:
+            try:
+                resp = self._client.post(url + "/agentrl/version", params={"version": policy_version}, timeout=10)
+            except httpx.HTTPError as err:
+                log.warning("%s: version not declared (%s); it will be once it is updated", url, err)
+                continue
+            if resp.status_code == 404:
+                log.warning("%s has no version gate (not started by infra.rollout.servers): samples are stamped "
+                            "with this client's version, which other processes cannot see", url)
+            elif resp.status_code != 200:
+                raise RuntimeError(f"{url}: declaring v{policy_version} refused: {resp.status_code} {resp.text[:200]}")
 
     @property
     def policy_version(self) -> int:

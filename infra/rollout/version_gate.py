@@ -13,7 +13,8 @@ guards these routes too) and makes the server the one source of the version:
   client; ``POST /agentrl/resume?version=N`` records the version the weights are now and admits again.
   A pause not resumed within ``lease_s`` (query parameter, default 900 s) resumes by itself, so a
   client killed mid-update does not leave the server refusing work forever;
-- ``GET /agentrl/version`` answers ``{"version", "paused", "in_flight"}``.
+- ``GET /agentrl/version`` answers ``{"version", "paused", "in_flight"}``; ``POST /agentrl/version?version=N``
+  declares the version of the weights the server holds now (the run's engine does, when it connects).
 
 The version starts at ``$AGENTRL_POLICY_VERSION`` (default 0). The pattern is the client-side gate of
 :class:`~infra.rollout.servers.ServerEngine` moved into the server (as SkyRL and AReaL pause generation
@@ -110,6 +111,11 @@ class VersionGateMiddleware:
                     self.version, self.paused = version, False
                     self._renew_lease(None)
                     cond.notify_all()
+            elif path == "/agentrl/version" and method == "POST":
+                if "version" not in query:
+                    raise ValueError("declaring a version needs ?version=<int>")
+                async with cond:
+                    self.version = int(query["version"])  # an update in progress stays in progress
             elif path != "/agentrl/version" or method != "GET":
                 await _json(send, 404, {"error": f"{method} {path}: not a route of this server"})
                 return

@@ -7,12 +7,19 @@ everything is removed on exit, processes left in a namespace included.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import threading
+import time
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+
+from infra.net import free_port
 
 SUBNET = "10.231.7"  # /24, private, created and removed by the test
 HOST = f"{SUBNET}.1"  # the flow machine's end of the bridge
@@ -123,3 +130,85 @@ def forward(target: tuple[str, int], host: str = HOST):
         except OSError:
             pass
         server.close()
+
+
+def nsenter(node) -> list[str]:
+    """Enter the node's network namespace only (``ip netns exec`` remounts /sys: dockerd then finds no cgroups)."""
+    return ["nsenter", f"--net=/var/run/netns/{node.netns}"]
+
+
+def stop_group(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> None:
+    """Signal ``proc``'s process group (it started a session) and wait for ``proc``."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def ray_ports() -> list[str]:
+    """Free ports for a Ray node's fixed-port services (defaults such as 52365 and 10001 would collide with
+    another Ray on this machine, e.g. test_ray's, running at the same time)."""
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+    return [f"--{n}={free_port()}" for n in names]
+
+
+def forget_ray_cluster(address: str) -> None:
+    """Remove Ray's record of the cluster ``ray start --head`` made (a plain ray.init() would try to join it)."""
+    record = Path("/tmp/ray/ray_current_cluster")
+    if record.exists() and address in record.read_text():
+        record.unlink()
+
+
+def node_dockerd(node, root: Path, log: Path, stack: ExitStack):
+    """Start a dockerd in ``node``'s namespace (own data root and socket); returns ``(client, DOCKER_HOST)``."""
+    import docker
+
+    sock = f"unix://{root}/docker.sock"
+    stack.callback(shutil.rmtree, root, ignore_errors=True)
+    proc = subprocess.Popen([*nsenter(node), "dockerd", "--data-root", str(root / "data"), "--exec-root",
+                             str(root / "exec"), "--pidfile", str(root / "pid"), "-H", sock, "--bridge=none",
+                             "--iptables=false", "--ip6tables=false"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    stack.callback(stop_group, proc)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = docker.DockerClient(base_url=sock, timeout=120)  # asks the engine's API version
+            stack.callback(client.close)
+            return client, sock
+        except Exception:  # noqa: BLE001 - not up yet
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+
+
+def ray_cluster(host: str, node, head_env: dict, node_env: dict, log_dir: Path, stack: ExitStack,
+                node_cpus: int = 2) -> str:
+    """A Ray head on ``host`` with no CPUs and a worker node with ``node_cpus`` in ``node``'s namespace.
+
+    ``node_env``: the worker node's environment (``DOCKER_HOST`` of its dockerd, S3, auth), which its
+    workers inherit. Both are stopped (SIGKILL) and the head's record forgotten when ``stack`` closes.
+    Returns the head's address (``host:port``).
+    """
+    import sys
+
+    ray = str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    head = subprocess.Popen([ray, "start", "--head", f"--node-ip-address={host}", f"--port={port}", "--num-cpus=0",
+                             "--include-dashboard=false", "--disable-usage-stats", "--block",
+                             f"--object-store-memory={200 * 1024**2}", f"--ray-client-server-port={free_port()}",
+                             *ray_ports()], env=head_env,
+                            stdout=open(log_dir / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+    stack.callback(forget_ray_cluster, f"{host}:{port}")
+    stack.callback(stop_group, head, signal.SIGKILL)
+    worker = subprocess.Popen([*nsenter(node), ray, "start", f"--address={host}:{port}",
+                               f"--node-ip-address={node.address}", f"--num-cpus={node_cpus}", "--disable-usage-stats",
+                               "--block", f"--object-store-memory={200 * 1024**2}", *ray_ports()], env=node_env,
+                              stdout=open(log_dir / "ray-node.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                              start_new_session=True)
+    stack.callback(stop_group, worker, signal.SIGKILL)
+    return f"{host}:{port}"

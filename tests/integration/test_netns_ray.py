@@ -35,64 +35,11 @@ SUBNET = "10.231.10"  # not another netns test file's: they may run at once
 HOST = f"{SUBNET}.1"
 
 
-def _nsenter(node) -> list[str]:
-    """Enter the node's network namespace only (``ip netns exec`` remounts /sys: dockerd then finds no cgroups)."""
-    return ["nsenter", f"--net=/var/run/netns/{node.netns}"]
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> None:
-    """Signal ``proc``'s process group (it started a session) and wait for ``proc``."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _ports() -> list[str]:
-    """Free ports for a Ray node's fixed-port services (defaults such as 52365 and 10001 would collide with
-    another Ray on this machine, e.g. test_ray's, running at the same time)."""
-    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-             "runtime-env-agent-port", "node-manager-port", "object-manager-port")
-    return [f"--{n}={free_port()}" for n in names]
-
-
-def _forget_cluster(address: str) -> None:
-    """Remove Ray's record of the cluster ``ray start --head`` made (a plain ray.init() would try to join it)."""
-    record = Path("/tmp/ray/ray_current_cluster")
-    if record.exists() and address in record.read_text():
-        record.unlink()
-
-
 def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     """Containers of ``episodes`` (ids) created on ``client``'s engine between ``since`` and ``until``."""
     events = client.events(since=int(since), until=int(until) + 1, decode=True,
                            filters={"type": "container", "event": "create"})
     return sum(1 for e in events if e["Actor"]["Attributes"].get("agentrl.episode") in episodes)
-
-
-def _node_dockerd(node, root: Path, log: Path, stack: ExitStack):
-    """Start a dockerd in ``node``'s namespace (own data root and socket); returns ``(client, DOCKER_HOST)``."""
-    import docker
-
-    socket = f"unix://{root}/docker.sock"
-    stack.callback(shutil.rmtree, root, ignore_errors=True)
-    proc = subprocess.Popen([*_nsenter(node), "dockerd", "--data-root", str(root / "data"), "--exec-root",
-                             str(root / "exec"), "--pidfile", str(root / "pid"), "-H", socket, "--bridge=none",
-                             "--iptables=false", "--ip6tables=false"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
-    stack.callback(_stop, proc)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client = docker.DockerClient(base_url=socket, timeout=120)  # asks the engine's API version
-            stack.callback(client.close)
-            return client, socket
-        except Exception:  # noqa: BLE001 - not up yet
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            time.sleep(0.5)
 
 
 def _ours(client) -> list:
@@ -122,7 +69,7 @@ def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(
     shutil.copytree(repo_root() / "envs/terminal/hello-file", terminal / "hello-file")
     run_id = f"threenode-{uuid.uuid4().hex[:8]}"
     root = f"agentrl/runs/{run_id}"
-    ray = str(Path(sys.executable).with_name("ray"))
+    ray = str(Path(sys.executable).with_name("ray"))  # to make the auth token
     # Token auth with this machine's Ray token (~/.ray/auth_token, made if missing) for the head, the node and the
     # flow's driver; this process starts no Ray of its own
     token = subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, text=True, check=True)
@@ -138,28 +85,14 @@ def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(
         stack.callback(prefect_server.stop, state)
         api_at = urlsplit(api)
         api_port = stack.enter_context(netns.forward((api_at.hostname, api_at.port), host=HOST))
-        node_docker, node_socket = _node_dockerd(worker_node, Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}"),
-                                    tmp_path / "dockerd.log", stack)  # short path: a socket path has a limit
+        node_docker, node_socket = netns.node_dockerd(
+            worker_node, Path(f"/tmp/agentrl-node-docker-{uuid.uuid4().hex[:6]}"),  # short: a socket path has a limit
+            tmp_path / "dockerd.log", stack)
         assert not node_docker.images.list()  # the node's engine starts with no image at all
         flow_docker = docker.from_env()
-
-        port = free_port()
-        head = subprocess.Popen([ray, "start", "--head", f"--node-ip-address={HOST}", f"--port={port}", "--num-cpus=0",
-                                 "--include-dashboard=false", "--disable-usage-stats", "--block",
-                                 f"--object-store-memory={200 * 1024**2}", f"--ray-client-server-port={free_port()}",
-                                 *_ports()], env={**base_env, **ray_auth},
-                                stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                start_new_session=True)
-        stack.callback(_forget_cluster, f"{HOST}:{port}")
-        stack.callback(_stop, head, signal.SIGKILL)
         node_env = {**base_env, **ray_auth, "DOCKER_HOST": node_socket,
                     "AGENTRL_S3_ENDPOINT": f"http://{HOST}:{s3_port}", "PREFECT_API_URL": f"http://{HOST}:{api_port}/api"}
-        worker = subprocess.Popen([*_nsenter(worker_node), ray, "start", f"--address={HOST}:{port}",
-                                   f"--node-ip-address={worker_node.address}", "--num-cpus=2", "--disable-usage-stats",
-                                   "--block", f"--object-store-memory={200 * 1024**2}", *_ports()], env=node_env,
-                                  stdout=open(tmp_path / "ray-node.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                  start_new_session=True)
-        stack.callback(_stop, worker, signal.SIGKILL)
+        ray_address = netns.ray_cluster(HOST, worker_node, {**base_env, **ray_auth}, node_env, tmp_path, stack)
 
         # the engine's node has no S3 keys: it fetches checkpoints through presigned URLs
         engine_env = {k: v for k, v in base_env.items() if not k.startswith(("AWS_", "AGENTRL_S3"))}
@@ -170,7 +103,7 @@ def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(
                                    "--threads", "1", "--log", str(tmp_path / "vllm.log")],
                                   env={**engine_env, TOKEN_ENV: engine_token}, stdout=subprocess.PIPE, text=True,
                                   start_new_session=True)
-        stack.callback(_stop, server)
+        stack.callback(netns.stop_group, server)
         url = f"http://{engine_node.address}:{engine_port}"
         ready = server.stdout.readline()
         assert ready.startswith(f"serving {tiny_model} at {url}"), (tmp_path / "vllm.log").read_text()
@@ -198,7 +131,7 @@ group_size = 2
 max_tokens_per_turn = 16
 max_turns = 1
 fan_out = "ray"
-ray_address = "{HOST}:{port}"
+ray_address = "{ray_address}"
 warm_pool = false
 [rollout.scheduler]
 kind = "async"
@@ -228,7 +161,7 @@ state_storage = "s3"
         first_rank1, started = rank1("rank1-first.log"), time.time()
         first = subprocess.Popen(cmd, cwd=ROOT, env=flow_env, stdout=open(tmp_path / "first.log", "w"),  # noqa: SIM115
                                  stderr=subprocess.STDOUT, start_new_session=True)
-        stack.callback(_stop, first, signal.SIGKILL)
+        stack.callback(netns.stop_group, first, signal.SIGKILL)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and first.poll() is None:  # kill in step 1's rollouts, on the node
             s3.invalidate_cache()

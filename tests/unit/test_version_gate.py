@@ -82,8 +82,23 @@ def test_bad_control_requests_are_refused_by_name(monkeypatch):
             assert (await c.post("/agentrl/resume", params={"version": "x"})).status_code == 400
             r = await c.get("/agentrl/pause")
             assert r.status_code == 404 and "GET /agentrl/pause" in r.json()["error"]
+            assert (await c.post("/agentrl/version")).status_code == 400
 
     asyncio.run(scenario())
     monkeypatch.setenv(VERSION_ENV, "v2")
     with pytest.raises(ValueError, match=VERSION_ENV):
         VersionGateMiddleware(SlowApp())
+
+
+def test_a_declared_version_is_stamped_and_leaves_an_update_in_progress_alone():
+    async def scenario():
+        inner = SlowApp()
+        inner.release.set()
+        async with _client(VersionGateMiddleware(inner)) as c:
+            assert (await c.post("/agentrl/version", params={"version": 7})).json()["version"] == 7
+            assert (await c.post("/v1/completions", json={})).headers[VERSION_HEADER] == "7"
+            await c.post("/agentrl/pause")
+            declared = await c.post("/agentrl/version", params={"version": 8})
+            assert declared.json() == {"version": 8, "paused": True, "in_flight": 0}
+
+    asyncio.run(scenario())
