@@ -128,7 +128,8 @@ class RayEpisodeRunner:
 
     def __init__(self, config, servers: list[dict], token: str | None, policy_version: int,
                  shipped: dict[str, tuple[str, str]] | None, local, address: str = "",
-                 max_concurrent_episodes: int = 16, start_timeout_s: float = 300.0, worker_cls=EpisodeWorker) -> None:
+                 max_concurrent_episodes: int = 16, start_timeout_s: float = 300.0, node_wait_s: float = 60.0,
+                 worker_cls=EpisodeWorker) -> None:
         """Start one actor per node with CPUs on the Ray cluster at ``address`` (empty: a local instance).
 
         ``local``: a :class:`~infra.rollout.collector.Collector` of the flow's process, used only to build
@@ -137,8 +138,8 @@ class RayEpisodeRunner:
         the actor body (:class:`EpisodeWorker`; another with its methods in unit tests).
 
         Raises:
-            RuntimeError: the cluster has no live node with CPUs, or an actor did not start within
-                ``start_timeout_s`` (its error).
+            RuntimeError: the cluster has no live node with CPUs within ``node_wait_s``, or an actor did not
+                start within ``start_timeout_s`` (its error).
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -149,10 +150,12 @@ class RayEpisodeRunner:
             local_opts = {} if address else {"include_dashboard": False, "object_store_memory": 256 * 1024**2}
             # "local": a new instance even when this machine runs a cluster (`ray start`), which ray.init() would join
             ray.init(address=address or "local", log_to_driver=False, **local_opts)
-        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1]
-        if not nodes:
-            raise RuntimeError(f"rollout.fan_out = \"ray\": the Ray cluster {address or '(local)'} has no live node "
-                               "with CPUs to run episodes on")
+        deadline = time.monotonic() + node_wait_s
+        while not (nodes := [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1]):
+            if time.monotonic() > deadline:  # a node may still be joining: wait a little first
+                raise RuntimeError(f"rollout.fan_out = \"ray\": the Ray cluster {address or '(local)'} has no live "
+                                   f"node with CPUs to run episodes on (waited {node_wait_s:.0f} s)")
+            time.sleep(1.0)
         runtime = {"env_vars": {TOKEN_ENV: token}} if token else None
         actor_cls = ray.remote(num_cpus=0, max_concurrency=max_concurrent_episodes + 8, max_restarts=0)(worker_cls)
         self.local, self._ray = local, ray

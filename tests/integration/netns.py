@@ -153,7 +153,10 @@ def ray_ports() -> list[str]:
     another Ray on this machine, e.g. test_ray's, running at the same time)."""
     names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
              "runtime-env-agent-port", "node-manager-port", "object-manager-port")
-    return [f"--{n}={free_port()}" for n in names]
+    ports: set[int] = set()
+    while len(ports) < len(names):  # free_port can give a port twice (each is free once closed): Ray refuses that
+        ports.add(free_port())
+    return [f"--{n}={p}" for n, p in zip(names, sorted(ports), strict=True)]
 
 
 def forget_ray_cluster(address: str) -> None:
