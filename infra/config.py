@@ -662,6 +662,12 @@ class RunConfig(_Strict):
         if self.rollout.fan_out == "ray" and isinstance(self.engine, InprocEngine):
             raise ValueError("rollout.fan_out = \"ray\" needs engine.kind = \"servers\" or \"remote\" (Ray workers "
                              "reach the engines over HTTP; an in-process engine cannot be shared)")
+        e = self.engine
+        if self.rollout.ray_address and isinstance(e, ServersEngine) and (e.advertise or e.host) in (
+                "127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"rollout.ray_address = {self.rollout.ray_address!r} names a cluster whose nodes cannot "
+                             f"reach servers on {e.advertise or e.host}: set engine.host (and engine.advertise) to an "
+                             "address they reach")
         return self
 
 

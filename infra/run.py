@@ -411,7 +411,7 @@ class Run:
                                self.layout.images_dir)
         self._episode_workers = RayEpisodeRunner(
             self.config, [{**vars(h), "token": None} for h in handles], token, self._policy.version, shipped,
-            self.episode_runner(), self.config.rollout.ray_address,
+            self.episode_runner(), self.engine.tokenizer, self.config.rollout.ray_address,
             max_concurrent_episodes=self.config.rollout.scheduler.max_concurrent_episodes)
         return self._episode_workers
 

@@ -34,13 +34,15 @@ class EpisodeWorker:
     """A Ray actor body: one node's episode runner (its Docker engine, warm pool, engine client)."""
 
     def __init__(self, config, servers: list[dict], policy_version: int,
-                 shipped: dict[str, tuple[str, str]] | None) -> None:
+                 shipped: dict[str, tuple[str, str]] | None, tokenizer) -> None:
         """Connect to the run's engines and this node's dockerd, load the shipped images it lacks.
 
         ``servers``: ``RemoteServer`` fields; their token in ``$AGENTRL_ENGINE_TOKEN`` (the actor's runtime env).
-        """
-        from transformers import AutoTokenizer
+        ``tokenizer``: the flow's (shipped with the actor: a node needs no model folder).
 
+        Raises:
+            RuntimeError: a server does not stamp its samples' versions (``ServerEngine.require_version_gate``).
+        """
         from infra.config import build_harness
         from infra.environments import BASE_IMAGE
         from infra.reaper import ensure_watchdog
@@ -53,8 +55,9 @@ class EpisodeWorker:
         ensure_watchdog()  # no run's watchdog covers a process on another node
         token = os.environ.get(TOKEN_ENV)
         handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
-        self.engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir),
-                                   config.engine.routing, policy_version=policy_version, declare_version=False)
+        self.engine = ServerEngine(handles, tokenizer, config.engine.routing, policy_version=policy_version,
+                                   declare_version=False)
+        self.engine.require_version_gate()
         self.backend = sandbox_backend(config)
         self.loaded: list[str] = []
         if shipped:
@@ -70,6 +73,7 @@ class EpisodeWorker:
         self.collector = Collector(self.engine, self.backend, CollectSettings.of(config.rollout), code_image=BASE_IMAGE,
                                    pool=self.pool, harness=build_harness(config.rollout.harness))
         self._cancels: dict[str, threading.Event] = {}
+        self._cancelled_early: set[str] = set()
         self._lock = threading.Lock()
 
     def describe(self) -> dict:
@@ -97,6 +101,9 @@ class EpisodeWorker:
         job = EpisodeJob(group_id, task, sample_index, attempt, seed, launch_index)
         with self._lock:
             self._cancels[key] = job.cancel
+            if key in self._cancelled_early:  # the cancel overtook this call (a threaded actor keeps no order)
+                self._cancelled_early.discard(key)
+                job.cancel.set()
         try:
             return self.collector.run(job)
         finally:
@@ -104,9 +111,11 @@ class EpisodeWorker:
                 self._cancels.pop(key, None)
 
     def cancel(self, key: str) -> bool:
-        """Cancel the attempt ``key``; False when it is not running here (finished, or never started)."""
+        """Cancel the attempt ``key``; False when it is not running here yet (it is cancelled as it starts)."""
         with self._lock:
             event = self._cancels.get(key)
+            if event is None:
+                self._cancelled_early.add(key)
         if event is not None:
             event.set()
         return event is not None
@@ -127,15 +136,16 @@ class RayEpisodeRunner:
     """The :class:`~infra.rollout.scheduler.EpisodeRunner` whose episodes run on :class:`EpisodeWorker` actors."""
 
     def __init__(self, config, servers: list[dict], token: str | None, policy_version: int,
-                 shipped: dict[str, tuple[str, str]] | None, local, address: str = "",
+                 shipped: dict[str, tuple[str, str]] | None, local, tokenizer=None, address: str = "",
                  max_concurrent_episodes: int = 16, start_timeout_s: float = 300.0, node_wait_s: float = 60.0,
                  worker_cls=EpisodeWorker) -> None:
         """Start one actor per node with CPUs on the Ray cluster at ``address`` (empty: a local instance).
 
         ``local``: a :class:`~infra.rollout.collector.Collector` of the flow's process, used only to build
-        the rows of attempts the scheduler ended (:meth:`failed_row`). ``token``: the engines' bearer token,
-        handed to the actors in their environment (never as an argument Ray would store). ``worker_cls``:
-        the actor body (:class:`EpisodeWorker`; another with its methods in unit tests).
+        the rows of attempts the scheduler ended (:meth:`failed_row`). ``tokenizer``: the engines' (sent to the
+        actors). ``token``: the engines' bearer token, handed to the actors in their runtime environment
+        (Ray's state API shows those to whoever reaches the cluster; it is not stored with Prefect's parameters).
+        ``worker_cls``: the actor body (:class:`EpisodeWorker`; another with its methods in unit tests).
 
         Raises:
             RuntimeError: the cluster has no live node with CPUs within ``node_wait_s``, or an actor did not
@@ -160,7 +170,8 @@ class RayEpisodeRunner:
         actor_cls = ray.remote(num_cpus=0, max_concurrency=max_concurrent_episodes + 8, max_restarts=0)(worker_cls)
         self.local, self._ray = local, ray
         self.actors = [actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-                                         runtime_env=runtime).remote(config, servers, policy_version, shipped)
+                                         runtime_env=runtime).remote(config, servers, policy_version, shipped,
+                                                                     tokenizer)
                        for n in nodes]
         try:
             self.workers = ray.get([a.describe.remote() for a in self.actors], timeout=start_timeout_s)
@@ -171,6 +182,7 @@ class RayEpisodeRunner:
         self._busy = [0] * len(self.actors)
         self._counters: list[tuple[int, float]] = [(0, 0.0)] * len(self.actors)
         self._lost: set[int] = set()
+        self._closing = False
         self._lock = threading.Lock()
         self.counters = {"episodes": 0, "workers_lost": 0}
         log.info("episode workers: %s", self.workers)
@@ -224,12 +236,13 @@ class RayEpisodeRunner:
                 if job.cancel.is_set() and not cancelled:
                     actor.cancel.remote(key)
                     cancelled = True
+        except ray.exceptions.ActorUnavailableError as e:  # transient (a network blip): the actor is kept
+            log.warning("episode worker %s unreachable running %s: %s", self.workers[i], key, e)
+            return self.failed_row(job, WORKER_LOST)
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-            with self._lock:
-                if i not in self._lost:
-                    self._lost.add(i)
-                    self.counters["workers_lost"] += 1
-            log.warning("episode worker %s lost running %s: %s", self.workers[i], key, e)
+            if self._closing:  # ended by close(): not a lost node
+                return self.failed_row(job, "cancelled")
+            self._mark_lost(i, f"running {key}: {e}")
             return self.failed_row(job, WORKER_LOST)
         finally:
             with self._lock:
@@ -240,8 +253,9 @@ class RayEpisodeRunner:
         return self.local.failed_row(job, reason)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Close every actor (bounded wait), then end them."""
+        """Close every actor (bounded wait), then end them. The Ray connection stays (trainer ranks may share it)."""
         ray = self._ray
+        self._closing = True
         try:
             ray.wait([a.close.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
         except Exception:  # noqa: BLE001 - a lost actor cannot close; it is killed below either way
@@ -265,8 +279,14 @@ class RayEpisodeRunner:
         for i, ref in refs:
             try:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                log.warning("episode worker %s lost: %s", self.workers[i], e)
-                with self._lock:
-                    self._lost.add(i)
-                    self.counters["workers_lost"] += 1
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                    ray.exceptions.GetTimeoutError) as e:  # dead, or stuck past the timeout: no more episodes there
+                self._mark_lost(i, f"{type(e).__name__}: {e}")
+
+    def _mark_lost(self, i: int, why: str) -> None:
+        with self._lock:
+            if i in self._lost:
+                return
+            self._lost.add(i)
+            self.counters["workers_lost"] += 1
+        log.warning("episode worker %s lost (%s); %d left", self.workers[i], why, len(self._live()))

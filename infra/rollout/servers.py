@@ -239,6 +239,7 @@ class ServerEngine:
         self.generated_tokens = 0  # tokens sampled so far, all replicas
         self.busy_s = 0.0  # seconds with at least one request in flight on some replica
         self._busy_since: float | None = None
+        self._ungated: set[str] = set()  # servers without infra.rollout.version_gate
         if declare_version:
             self._declare(policy_version)
 
@@ -250,7 +251,10 @@ class ServerEngine:
         return request
 
     def _declare(self, policy_version: int) -> None:
-        """Set each server's stamped version; a server without the version gate is logged (its stamps absent)."""
+        """Set each server's stamped version.
+
+        A server without the version gate is logged (its stamps absent) and updated without the server-side pause.
+        """
         for url in self.servers:
             try:
                 resp = self._client.post(url + "/agentrl/version", params={"version": policy_version}, timeout=10)
@@ -258,10 +262,26 @@ class ServerEngine:
                 log.warning("%s: version not declared (%s); it will be once it is updated", url, err)
                 continue
             if resp.status_code == 404:
+                self._ungated.add(url)
                 log.warning("%s has no version gate (not started by infra.rollout.servers): samples are stamped "
                             "with this client's version, which other processes cannot see", url)
             elif resp.status_code != 200:
                 raise RuntimeError(f"{url}: declaring v{policy_version} refused: {resp.status_code} {resp.text[:200]}")
+
+    def require_version_gate(self) -> None:
+        """Check that every server stamps its samples (a client that takes their stamps needs it).
+
+        Raises:
+            RuntimeError: a server answers ``/agentrl/version`` with anything but 200 (named, with the reason).
+        """
+        for url in self.servers:
+            try:
+                resp = self._client.get(url + "/agentrl/version", timeout=10)
+            except httpx.HTTPError as err:
+                raise RuntimeError(f"{url}: its version gate cannot be reached: {type(err).__name__}: {err}") from err
+            if resp.status_code != 200:
+                raise RuntimeError(f"{url} does not stamp policy versions (GET /agentrl/version: {resp.status_code}); "
+                                   "episodes in other processes need servers started by infra.rollout.servers")
 
     @property
     def policy_version(self) -> int:
@@ -455,15 +475,19 @@ class ServerEngine:
             for url in self.router.live:  # each replica on its own: one failure does not stop the others
                 try:
                     # the server holds every client's new requests and drains those in flight (other
-                    # processes' episodes included); a failed update leaves it paused until the lease ends
-                    self._client.post(url + "/agentrl/pause", params={"lease_s": self.request_timeout_s}
-                                      ).raise_for_status()
+                    # processes' episodes included); an update that fails after its /collective_rpc leaves
+                    # it refusing samples once the lease ends, until a version is set (version_gate)
+                    gated = url not in self._ungated
+                    if gated:  # 409: another client resumed it during the drain
+                        self._client.post(url + "/agentrl/pause", params={"lease_s": self.request_timeout_s}
+                                          ).raise_for_status()
                     resp = self._client.post(url + "/collective_rpc", json=rpc)
                     resp.raise_for_status()
                     self.versions[url] = policy_version  # the weights changed, whatever happens next
                     self._client.post(url + "/reset_prefix_cache").raise_for_status()
-                    self._client.post(url + "/agentrl/resume", params={"version": policy_version}
-                                      ).raise_for_status()
+                    if gated:
+                        self._client.post(url + "/agentrl/resume", params={"version": policy_version}
+                                          ).raise_for_status()
                 except httpx.HTTPError as err:
                     failed.append(f"{url}: {type(err).__name__}: {err}")
                     self.router.mark_dead(url)  # serves no more requests until revived

@@ -6,8 +6,9 @@ version the engine reports (the actor's own client never learns of an update). N
 run from a vLLM server bound to its bridge address (no S3 keys: it fetches each checkpoint from S3 itself).
 Node ``worker`` runs a Ray worker node with its own dockerd (its own data root and socket, started with no
 image: the flow stages the task images on S3 by image id and the node's workers load them) and trainer
-rank 1. S3 and the Prefect server stay on the flow machine's loopback; the nodes reach them through
-forwarders on the bridge. The run is SIGKILLed in step 1's rollouts, then rerun.
+rank 1, a Ray actor the run places there (``train.launch = "ray"``, ``infra.train.ranks.RayRanks``). S3 and
+the Prefect server stay on the flow machine's loopback; the nodes reach them through forwarders on the
+bridge. The run is SIGKILLed in step 1's rollouts, then rerun.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ def _creates(client, since: float, until: float, episodes: set[str]) -> int:
     return sum(1 for e in events if e["Actor"]["Attributes"].get("agentrl.episode") in episodes)
 
 
+def _ray_ranks(node) -> list[int]:
+    """Processes of trainer ranks started as Ray actors (``infra.train.ranks._RayRank``) in ``node``'s namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            if b"_RayRank" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
 def _ours(client) -> list:
     """Sandbox containers (any run's) on ``client``'s engine."""
     return client.containers.list(all=True, filters={"label": "agentrl=1"})
@@ -50,8 +64,8 @@ def _ours(client) -> list:
 def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(tiny_model, s3, services_env,
                                                                                   tmp_path):
     """One run, 2 steps: rollouts on a Ray node in sandboxes on that node's engine only; the engine on a third
-    node hot-loads each version from S3; 2 trainer ranks on two nodes. SIGKILLed in step 1's rollouts: rank 1
-    exits, the node's sandboxes are removed; the rerun (a new rank 1) resumes at step 1 and loses and
+    node hot-loads each version from S3; 2 trainer ranks on two nodes (rank 1 a Ray actor). SIGKILLed in step 1's
+    rollouts: rank 1 ends, the node's sandboxes are removed; the rerun (a new rank 1) resumes at step 1 and loses and
     duplicates nothing."""
     import json
     import secrets
@@ -143,6 +157,8 @@ endpoint = "http://{HOST}:{s3_port}"
 [train]
 world_size = 2
 master = "{master}"
+launch = "ray"
+ray_address = "{ray_address}"
 ranks_timeout_s = 300
 state_storage = "s3"
 """)
@@ -151,14 +167,7 @@ state_storage = "s3"
                     "PREFECT_HOME": str(tmp_path / "prefect-home")}
         cmd = [sys.executable, "-m", "flows.post_train", "--config", str(config)]
 
-        def rank1(name: str) -> subprocess.Popen:
-            proc = subprocess.Popen([*worker_node.launcher, sys.executable, "-m", "infra.train.ranks", "--master",
-                                     master, "--rank", "1", "--world-size", "2"], env=engine_env,
-                                    stdout=open(tmp_path / name, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-            stack.callback(lambda: proc.poll() is None and proc.kill())
-            return proc
-
-        first_rank1, started = rank1("rank1-first.log"), time.time()
+        started = time.time()
         first = subprocess.Popen(cmd, cwd=ROOT, env=flow_env, stdout=open(tmp_path / "first.log", "w"),  # noqa: SIM115
                                  stderr=subprocess.STDOUT, start_new_session=True)
         stack.callback(netns.stop_group, first, signal.SIGKILL)
@@ -169,10 +178,14 @@ state_storage = "s3"
                 break
             time.sleep(0.1)
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert _ray_ranks(worker_node)  # trainer rank 1: a Ray actor the run placed on the node
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         killed = time.time()
-        assert first_rank1.wait(120) != 0  # its collective with the dead rank 0 failed: it did not hang
+        deadline = time.monotonic() + 120  # Ray ends the dead driver's actors: rank 1 does not hang on
+        while _ray_ranks(worker_node) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _ray_ranks(worker_node)
         deadline = time.monotonic() + 60  # the node's sandboxes go with the Ray workers that started them
         while _ours(node_docker) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -185,12 +198,20 @@ state_storage = "s3"
         # step 1 was sampling on v1: the engine fetched it from S3, for the flow machine holds no copy of it
         assert not (layout.work / "v1").exists()
 
-        second_rank1 = rank1("rank1-rerun.log")
-        rerun = subprocess.run(cmd, cwd=ROOT, env=flow_env, capture_output=True, text=True, timeout=900)
-        ended = time.time()
-        assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-        assert f"post_train {run_id}: 1 step(s) run" in rerun.stdout  # step 0 was not redone
-        assert second_rank1.wait(60) == 0 and "rank 1: step" in (tmp_path / "rank1-rerun.log").read_text()
+        rerun = subprocess.Popen(cmd, cwd=ROOT, env=flow_env, stdout=open(tmp_path / "rerun.log", "w"),  # noqa: SIM115
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        stack.callback(netns.stop_group, rerun, signal.SIGKILL)
+        ranks_seen, deadline = False, time.monotonic() + 900
+        while rerun.poll() is None and time.monotonic() < deadline:
+            ranks_seen = ranks_seen or bool(_ray_ranks(worker_node))
+            time.sleep(0.5)
+        ended, out = time.time(), (tmp_path / "rerun.log").read_text()
+        assert rerun.returncode == 0, out[-6000:]
+        assert f"post_train {run_id}: 1 step(s) run" in out  # step 0 was not redone
+        deadline = time.monotonic() + 30
+        while _ray_ranks(worker_node) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ranks_seen and not _ray_ranks(worker_node)  # the new rank 1 ran on the node and ended with the run
 
         s3.invalidate_cache()
         stored = [p.rsplit("/", 1)[1] for p in s3.ls(f"{root}/trajectories")]

@@ -208,11 +208,13 @@ def test_partial_groups_need_k_between_2_and_the_group_size(tmp_path):
 
 def test_rollouts_on_ray_take_either_scheduler_and_need_an_engine_reached_over_http(tmp_path):
     ok = tmp_path / "ok.toml"
-    ok.write_text('[engine]\nkind = "servers"\n[rollout]\nfan_out = "ray"\nray_address = "10.0.0.1:6379"\n'
-                  '[rollout.scheduler]\nkind = "sync"\n')
+    ok.write_text('[engine]\nkind = "servers"\nhost = "10.0.0.1"\n[rollout]\nfan_out = "ray"\n'
+                  'ray_address = "10.0.0.1:6379"\n[rollout.scheduler]\nkind = "sync"\n')
     assert load_config(ok).rollout.ray_address == "10.0.0.1:6379"
     ok.write_text('[engine]\nkind = "servers"\n[rollout]\nfan_out = "ray"\n')  # the async scheduler
     assert load_config(ok).rollout.scheduler.kind == "async"
+    assert "nodes cannot reach servers on 127.0.0.1" in _error(  # a cluster elsewhere, engines on loopback
+        tmp_path, '[engine]\nkind = "servers"\n[rollout]\nfan_out = "ray"\nray_address = "10.0.0.1:6379"\n')
     assert 'rollout.fan_out = "ray" needs engine.kind = "servers" or "remote"' in _error(
         tmp_path, '[rollout]\nfan_out = "ray"\n[rollout.scheduler]\nkind = "sync"\n')
     assert "ray_address = '10.0.0.1:6379' is set but rollout.fan_out = \"local\"" in _error(

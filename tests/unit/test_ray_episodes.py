@@ -32,7 +32,7 @@ def _stand_in_worker():
     ships it by value (the workers need not import the tests)."""
 
     class StandIn:
-        def __init__(self, config, servers, policy_version, shipped):
+        def __init__(self, config, servers, policy_version, shipped, tokenizer):
             self.cancels, self.lock, self.reserved, self.bound = {}, threading.Lock(), [], None
 
         def describe(self):
@@ -126,3 +126,19 @@ def test_episodes_run_on_the_actor_cancel_reaches_it_and_a_lost_actor_fails_them
     finally:
         runner.close(timeout_s=5)
     assert local.closed
+
+
+def test_a_cancel_that_overtakes_its_episode_cancels_it_as_it_starts():
+    """A threaded actor keeps no call order: EpisodeWorker.cancel may run before EpisodeWorker.run registers."""
+    from infra.rollout.ray_episodes import EpisodeWorker
+
+    class Collector:
+        def run(self, job):
+            return {"cancelled": job.cancel.is_set()}
+
+    worker = object.__new__(EpisodeWorker)  # its body's bookkeeping only: no engine, no Docker
+    worker.collector, worker._cancels, worker._cancelled_early, worker._lock = Collector(), {}, set(), threading.Lock()
+    assert worker.cancel("g/0/0/1") is False  # not running yet: remembered
+    assert worker.run("g/0/0/1", "g", "task", 0, 0, 1, 0) == {"cancelled": True}
+    assert worker.run("g/0/0/1", "g", "task", 0, 0, 1, 0) == {"cancelled": False}  # remembered once
+    assert not worker._cancels and not worker._cancelled_early
