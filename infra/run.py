@@ -398,9 +398,14 @@ class Run:
                 max_mean_token_lag=s.max_mean_token_lag, partial_group_min_samples=s.partial_group_min_samples)
         return self._collector
 
-    def _ray_episode_runner(self):
-        """Episode workers on the Ray cluster (``infra.rollout.ray_episodes``); the task images staged on S3."""
-        from infra.rollout.ray_episodes import RayEpisodeRunner
+    def ray_handoff(self) -> tuple[list[dict], str | None, dict[str, tuple[str, str]]]:
+        """What Ray workers on other nodes need: ``(servers, token, shipped)``.
+
+        ``servers``: the run's engines as ``RemoteServer`` fields without their token (the servers start here on
+        first use); ``token``: theirs (one per run), for the workers' environment, never a parameter Prefect or Ray
+        stores; ``shipped``: the task images and the base image staged on S3 by image id
+        (``infra.sandbox.image_ship.stage_images``), for a node whose engine lacks one.
+        """
         from infra.rollout.servers import RemoteServer
         from infra.sandbox.image_ship import stage_images
 
@@ -409,9 +414,16 @@ class Run:
         shipped = stage_images(self.fs, self.backend.client,
                                {tag for tag, _ in self.catalog.images().values()} | {BASE_IMAGE},
                                self.layout.images_dir)
+        return [{**vars(h), "token": None} for h in handles], token, shipped
+
+    def _ray_episode_runner(self):
+        """Episode workers on the Ray cluster (``infra.rollout.ray_episodes``)."""
+        from infra.rollout.ray_episodes import RayEpisodeRunner
+
+        servers, token, shipped = self.ray_handoff()
         self._episode_workers = RayEpisodeRunner(
-            self.config, [{**vars(h), "token": None} for h in handles], token, self._policy.version, shipped,
-            self.episode_runner(), self.engine.tokenizer, self.config.rollout.ray_address,
+            self.config, servers, token, self._policy.version, shipped, self.episode_runner(), self.engine.tokenizer,
+            self.config.rollout.ray_address,
             max_concurrent_episodes=self.config.rollout.scheduler.max_concurrent_episodes)
         return self._episode_workers
 

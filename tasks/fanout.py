@@ -44,7 +44,7 @@ def collect_group(config: RunConfig, servers: list[dict], policy_version: int, t
 
     r = config.rollout
     token = os.environ.get(TOKEN_ENV)  # set by ray_task_runner(env=...): a token is never a task parameter
-    handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
+    handles = RemoteServer.all_of(servers, token)
     engine = ServerEngine(handles, AutoTokenizer.from_pretrained(handles[0].model_dir), config.engine.routing,
                           policy_version=policy_version, declare_version=False)
     # A worker on a cluster node is no child of the run, so no run's watchdog covers it: it gets its own,
@@ -99,21 +99,14 @@ def collect_step_on_ray(run, task_ids: list[str], step: int, deps: list[str], ra
     """
     from dataclasses import replace
 
-    from infra.rollout.servers import RemoteServer
-    from infra.sandbox.image_ship import stage_images
     from tasks.lineage import as_asset
     from tasks.rollouts import store_step
 
     start = time.monotonic()
-    handles = [RemoteServer.of(s) if not isinstance(s, RemoteServer) else s
-               for s in run.engine.servers.values()]  # starts them on first use
-    token = next((h.token for h in handles if h.token), None)  # one per run: every server has it
-    servers = [{**vars(h), "token": None} for h in handles]
+    servers, token, shipped = run.ray_handoff()
     runner = ray_task_runner(ray_address, env={TOKEN_ENV: token} if token else None)
     fan = collect_groups.with_options(task_runner=runner)
     images = run.catalog.images()
-    shipped = stage_images(run.fs, run.backend.client, {tag for tag, _ in images.values()} | {BASE_IMAGE},
-                           run.layout.images_dir)
     gathered = fan(run.config, servers, run.policy.version, [run.tasks[t] for t in task_ids], step, images, shipped)
     store = task(name="store_rollouts", cache_policy=NO_CACHE)(store_step)
     result = as_asset(store, run.layout.trajectories(step), deps)(run, step, gathered["rows"], [], {},

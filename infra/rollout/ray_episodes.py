@@ -54,7 +54,7 @@ class EpisodeWorker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         ensure_watchdog()  # no run's watchdog covers a process on another node
         token = os.environ.get(TOKEN_ENV)
-        handles = [RemoteServer(**{**s, "token": s.get("token") or token}) for s in servers]
+        handles = RemoteServer.all_of(servers, token)
         self.engine = ServerEngine(handles, tokenizer, config.engine.routing, policy_version=policy_version,
                                    declare_version=False)
         self.engine.require_version_gate()

@@ -190,6 +190,11 @@ class RemoteServer:
         """The handle of a server this process started."""
         return cls(server.url, server.model_dir, server.max_model_len, server.dtype, server.token)
 
+    @classmethod
+    def all_of(cls, fields: list[dict], token: str | None) -> list[RemoteServer]:
+        """Handles from ``Run.ray_handoff`` fields, on a worker: each gets ``token`` unless its fields carry one."""
+        return [cls(**{**f, "token": f.get("token") or token}) for f in fields]
+
     def alive(self) -> bool:
         """The server answers ``/health`` within 5 s."""
         try:
