@@ -29,6 +29,7 @@ Scales:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", default=str(RESULTS / "batch_fit.json"),
                    help="fleet model JSON (written by the real scale), or a workload file with sources "
                         "(benchmarks/workloads/published_swe.json)")
+    p.add_argument("--turn-budget", type=int, default=0,
+                   help="end every fleet episode after this many turns (both configurations; 0: the workload's cap)")
     p.add_argument("--out", default=str(RESULTS / "batch_time.json"))
     a = p.parse_args(argv)
     out: dict = {}
@@ -301,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.scale in ("fleet", "both"):
         fit_path = Path(a.fit)
         model = load_workload(fit_path) if fit_path.exists() else FleetModel()
+        if a.turn_budget:
+            if a.turn_budget < 1:
+                raise SystemExit(f"--turn-budget: expected a positive number of turns, got {a.turn_budget}")
+            at_budget = (1 - model.turns_p) ** (min(a.turn_budget, model.max_turns) - 1)
+            print(f"turn budget {a.turn_budget}: {100 * at_budget:.1f}% of episodes end at it "
+                  f"(the workload's cap: {model.max_turns})")
+            model = dataclasses.replace(model, max_turns=min(a.turn_budget, model.max_turns))
         print(f"fleet model from {fit_path if fit_path.exists() else 'defaults'}: {model.to_dict()}")
         res = fleet(model, a.fleet_batch, a.fleet_group_size, a.fleet_replicas, a.fleet_sandboxes, a.steps + 1,
                     a.fleet_train_s, a.overprovision, a.time_scale, a.seed, a.max_policy_lag, a.max_mean_token_lag,

@@ -22,7 +22,8 @@ Reported: generated tokens/s while busy for (a), (a') and (b), the ratios (b)/(a
 (b)/(a'), (b)'s idle fraction (wall time with no engine step running), the mean requests in flight during
 (b), and where an episode's wall time went (``episode_s`` split into sandbox acquire, engine queue, prefill, decode, the
 rest of generation (tokenization, the gateway), tool execution, verification and harness/Python
-overhead, the remainder). The split is printed and drawn as a PNG (``--plot``).
+overhead, the remainder). The split is printed and drawn as a PNG (``--plot``). For (b) and each replay, the
+engine thread's step time is split into on a core, waiting for one, and asleep (:class:`StepClock`).
 
 ``make bench-rollout`` (``python -m benchmarks.rollout_path --config configs/quickstart.toml``).
 """
@@ -75,6 +76,56 @@ class RequestRecorder:
     def detach(self) -> None:
         """Give the engine its own ``generate`` back."""
         self.engine.generate = self._generate
+
+
+class StepClock:
+    """Splits the wall time of the engine's steps (``llm_engine.step``) into running, waiting for a core, and the rest.
+
+    Around each step it reads the calling thread's ``/proc/thread-self/schedstat`` (Linux: nanoseconds on a
+    CPU, nanoseconds runnable but waiting on a run queue). What is left of the step's wall time is time the
+    thread slept: in the engine, waiting for the interpreter lock (the process's other threads hold it) or for
+    anything else it blocks on. :meth:`take` returns the seconds of each since the last take.
+    """
+
+    def __init__(self, llm_engine):
+        self.llm_engine, self._step = llm_engine, llm_engine.step
+        self.wall_s = self.cpu_s = self.run_queue_s = 0.0
+        llm_engine.step = self
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu_ns, wait_ns, _ = f.read().split()
+        return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+    def __call__(self, *args, **kwargs):
+        """The engine's ``step``, timed."""
+        cpu0, wait0 = self._read()
+        t0 = time.monotonic()
+        try:
+            return self._step(*args, **kwargs)
+        finally:
+            self.wall_s += time.monotonic() - t0
+            cpu1, wait1 = self._read()
+            self.cpu_s += cpu1 - cpu0
+            self.run_queue_s += wait1 - wait0
+
+    def take(self) -> dict:
+        """Seconds of step wall time since the last take: running, on a run queue, and the rest (asleep)."""
+        out = {"step_wall_s": self.wall_s, "on_cpu_s": self.cpu_s, "run_queue_s": self.run_queue_s,
+               "asleep_s": max(0.0, self.wall_s - self.cpu_s - self.run_queue_s)}
+        self.wall_s = self.cpu_s = self.run_queue_s = 0.0
+        return out
+
+    def detach(self) -> None:
+        """Give the engine its own ``step`` back."""
+        self.llm_engine.step = self._step
+
+
+def _split(clock: dict) -> str:
+    wall = clock["step_wall_s"] or 1.0
+    return (f"steps {clock['step_wall_s']:.1f} s: on a core {100 * clock['on_cpu_s'] / wall:.0f}%, waiting for a "
+            f"core {100 * clock['run_queue_s'] / wall:.0f}%, asleep {100 * clock['asleep_s'] / wall:.0f}%")
 
 
 def bare_engine(llm, requests: list[tuple[object, int]], concurrency: int, threads: int = 0,
@@ -204,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = run.engine
         engine.continuous_batching = not a.batch_at_once
         recorder = RequestRecorder(engine)
+        clock = StepClock(engine.llm.llm_engine)
         tokens0, busy0, t0 = engine.generated_tokens, engine.busy_s, time.monotonic()
         rows, _, metrics = _collect_async(run, images, chosen, 0, lambda done, total: None)
         wall, busy = time.monotonic() - t0, engine.busy_s - busy0
@@ -216,11 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         # requests in flight while busy: each request's decode+prefill time over the busy time
         engine_s = sum(row["prefill_s"] + row["decode_s"] for row in rows)
         ours["mean_in_flight_busy"] = engine_s / busy if busy else 0.0
+        ours["engine_thread"] = clock.take()
         print(f"our path: {len(rows)} episodes, {len(recorder.requests)} requests, {ours_tokens} tokens in "
               f"{wall:.1f} s "
               f"(engine busy {busy:.1f} s): {ours['tokens_per_s_busy']:.1f} tokens/s while busy, idle "
               f"{100 * ours['idle_frac']:.0f}%, peak {recorder.peak} requests in flight", flush=True)
+        print(f"  our engine thread's {_split(ours['engine_thread'])}", flush=True)
         bare = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads)
+        bare["engine_thread"] = clock.take()
         print(f"bare engine: same {len(recorder.requests)} requests, {recorder.peak} in flight: "
               f"{bare['generated_tokens']} tokens in {bare['seconds']:.1f} s = {bare['tokens_per_s']:.1f} tokens/s",
               flush=True)
@@ -229,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bare engine, turn order kept ({len(set(recorder.trajectories))} episodes at once, each turn after "
               f"the one before): {turns['tokens_per_s']:.1f} tokens/s, {turns['mean_in_flight']:.1f} requests in "
               f"flight on average", flush=True)
+        turns["engine_thread"] = clock.take()
+        print(f"  the turn-ordered replay's {_split(turns['engine_thread'])}", flush=True)
         # the same replay beside one busy core: what sharing the 2 cores costs the engine (the machine's share)
         burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
@@ -236,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             burner.kill()
             burner.wait()
+            clock.detach()
+        contended["engine_thread"] = clock.take()
         print(f"bare engine beside one busy core: {contended['tokens_per_s']:.1f} tokens/s", flush=True)
         breakdown = episode_time_split(rows)
     finally:
