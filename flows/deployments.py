@@ -4,7 +4,8 @@
 unit test runs that). Deployments: ``post_train/<config>`` for each config (``quickstart`` with the
 nightly schedule, off), and one deployment of each other flow with the quickstart's values. A form
 default is the config as ``load_config`` reads it, so "Quick run" on a deployment runs that config
-and a changed form on a stored run id is refused (``infra.config_record``).
+and a changed form on a stored run id is refused (``infra.config_record``); ``serving_dtype = "auto"`` is
+kept as such, for the flow to resolve on the host it runs on.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ OTHER_FLOWS = {
 def render(root: Path | None = None) -> str:
     """The text of ``prefect.yaml`` for the configs under ``root/configs``."""
     root = root or repo_root()
-    configs = {p.stem: load_config(p) for p in sorted((root / "configs").glob("*.toml"))}
+    configs = {p.stem: load_config(p, resolve_auto=False) for p in sorted((root / "configs").glob("*.toml"))}
     deployments = []
     for name, config in configs.items():
         first = (p.read_text().splitlines() or [""])[0] if (p := root / "configs" / f"{name}.toml").exists() else ""

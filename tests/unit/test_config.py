@@ -219,3 +219,26 @@ def test_rollouts_on_ray_take_either_scheduler_and_need_an_engine_reached_over_h
         tmp_path, '[rollout]\nfan_out = "ray"\n[rollout.scheduler]\nkind = "sync"\n')
     assert "ray_address = '10.0.0.1:6379' is set but rollout.fan_out = \"local\"" in _error(
         tmp_path, '[rollout]\nray_address = "10.0.0.1:6379"\n')
+
+
+@pytest.mark.parametrize(("cuda", "avx512_bf16", "amx", "expected"), [
+    (False, False, False, "float32"),  # an AVX2-only CPU: bf16 would be emulated
+    (False, True, False, "bfloat16"),
+    (False, False, True, "bfloat16"),
+    (True, False, False, "bfloat16"),
+])
+def test_auto_serving_dtype_is_bf16_only_where_the_host_computes_it_natively(tmp_path, monkeypatch, cuda,
+                                                                             avx512_bf16, amx, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    cfg = tmp_path / "auto.toml"
+    cfg.write_text('[model]\nserving_dtype = "auto"\n')
+    assert load_config(cfg).model.serving_dtype == expected
+    assert load_config(cfg, resolve_auto=False).model.serving_dtype == "auto"  # as a deployment keeps it
+    assert load_config(cfg, **{"model.serving_dtype": "bfloat16"}).model.serving_dtype == "bfloat16"  # explicit
+    # the flow validates a deployment's parameters on its own host: "auto" resolves there
+    kept = load_config(cfg, resolve_auto=False).model_dump(mode="json")
+    assert RunConfig.model_validate(kept).model.serving_dtype == expected
