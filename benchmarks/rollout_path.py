@@ -81,10 +81,11 @@ class RequestRecorder:
 class StepClock:
     """Splits the wall time of the engine's steps (``llm_engine.step``) into running, waiting for a core, and the rest.
 
-    Around each step it reads the calling thread's ``/proc/thread-self/schedstat`` (Linux: nanoseconds on a
-    CPU, nanoseconds runnable but waiting on a run queue). What is left of the step's wall time is time the
-    thread slept: in the engine, waiting for the interpreter lock (the process's other threads hold it) or for
-    anything else it blocks on. :meth:`take` returns the seconds of each since the last take.
+    Around each step it reads the calling thread's CPU time (``time.thread_time``) and its run-queue delay
+    (``/proc/thread-self/schedstat``'s second field, Linux: nanoseconds runnable but not running; its first field,
+    CPU time, is not refreshed on a read and can lag a scheduler tick). What is left of the step's wall time is
+    time the thread slept: in the engine, waiting for the interpreter lock (the process's other threads hold it)
+    or for anything else it blocks on. :meth:`take` returns the seconds of each since the last take.
     """
 
     def __init__(self, llm_engine):
@@ -95,8 +96,8 @@ class StepClock:
     @staticmethod
     def _read() -> tuple[float, float]:
         with open("/proc/thread-self/schedstat") as f:
-            cpu_ns, wait_ns, _ = f.read().split()
-        return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+            _, wait_ns, _ = f.read().split()
+        return time.thread_time(), int(wait_ns) / 1e9
 
     def __call__(self, *args, **kwargs):
         """The engine's ``step``, timed."""
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean episode {mean:.1f} s: " + ", ".join(
         f"{k.removesuffix('_s')} {breakdown[k]:.1f} ({100 * breakdown[k] / mean:.0f}%)" for k in PARTS))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"config": a.config, "continuous_batching": not a.batch_at_once, "ours": ours, "bare": bare,
+    result = {"config": a.config, "serving_dtype": config.model.serving_dtype,
+              "continuous_batching": not a.batch_at_once, "ours": ours, "bare": bare,
               "bare_beside_busy_core": contended, "ratio_busy": ratio,
               "bare_turn_order_kept": turns, "ratio_busy_vs_turn_order_kept": ratio_turns,
               "ratio_busy_vs_contended": ours["tokens_per_s_busy"] / contended["tokens_per_s"],

@@ -48,7 +48,8 @@ class ModelConfig(_Strict):
     """Precision of the rollout engine; evaluation uses the same. ``auto``: ``bfloat16`` where this host computes
     it natively, ``float32`` elsewhere (:func:`native_serving_dtype`), resolved when the config is loaded, so the
     run's recorded config names the precision it ran in (a rerun on another kind of host that resolves otherwise
-    is refused as a config change)."""
+    is refused as a config change by ``post_train``, ``build_envs`` and ``collect_rollouts``; ``evaluate``, which
+    may change the precision, re-evaluates in this host's and keeps the other report as ``eval-served-<dtype>``)."""
     max_model_len: int = Field(2048, ge=128, le=32768)
     """Longest sequence (prompt plus completion, all turns) in tokens."""
     kv_cache_gib: float = Field(2.0, gt=0, le=64)
@@ -649,6 +650,16 @@ class StorageConfig(_Strict):
 
 class RunConfig(_Strict):
     """A whole post-training run."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_auto_dtype_for_remote_servers(cls, data):
+        model, engine = (data.get(k) if isinstance(data, dict) else None for k in ("model", "engine"))
+        if (isinstance(model, dict) and model.get("serving_dtype") == "auto" and isinstance(engine, dict)
+                and engine.get("kind") == "remote"):
+            raise ValueError('model.serving_dtype = "auto" resolves on this host, not on the remote servers: name '
+                             'the precision they were started with (--dtype), "float32" or "bfloat16"')
+        return data
 
     run_id: str = Field("quickstart", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """Names the run's storage prefix; rerunning the same id resumes it (with the same config: see

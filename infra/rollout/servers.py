@@ -603,13 +603,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--advertise", default=None, help="address the run reaches it at (needed with 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="bfloat16", help="the run's model.serving_dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the run's model.serving_dtype; auto: bfloat16 where this host computes it natively")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None, help="log file (default: vllm-<port>.log here)")
     a = p.parse_args(argv)
+    if a.dtype == "auto":
+        from infra.config import native_serving_dtype
+
+        a.dtype = native_serving_dtype()
+        print(f"serving in {a.dtype} (--dtype auto on this host)", flush=True)
     try:
         server = VLLMServer(a.model, a.port, Path(a.log or f"vllm-{a.port}.log"), a.dtype, a.max_model_len,
                             a.kv_cache_gib, a.seed, a.threads, host=a.host, advertise=a.advertise,

@@ -242,3 +242,12 @@ def test_auto_serving_dtype_is_bf16_only_where_the_host_computes_it_natively(tmp
     # the flow validates a deployment's parameters on its own host: "auto" resolves there
     kept = load_config(cfg, resolve_auto=False).model_dump(mode="json")
     assert RunConfig.model_validate(kept).model.serving_dtype == expected
+
+
+def test_auto_serving_dtype_is_refused_with_remote_servers(tmp_path):
+    cfg = tmp_path / "remote.toml"
+    cfg.write_text('[model]\nserving_dtype = "auto"\n[engine]\nkind = "remote"\nurls = ["http://10.0.0.7:8000"]\n')
+    with pytest.raises(ConfigError, match=r'remote\.toml: .*model\.serving_dtype = "auto" resolves on this host, '
+                                          r'not on the remote servers'):
+        load_config(cfg)
+    assert load_config(cfg, **{"model.serving_dtype": "float32"}).model.serving_dtype == "float32"
