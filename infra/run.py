@@ -311,7 +311,8 @@ class Run:
 
                     self._engine = VLLMEngine(self._policy.weights_dir, dtype=dtype, max_model_len=m.max_model_len,
                                               kv_cache_gib=m.kv_cache_gib, seed=seed,
-                                              policy_version=self._policy.version, threads=e.threads)
+                                              policy_version=self._policy.version, threads=e.threads,
+                                              realtime_priority=e.realtime_priority)
                 case other:
                     assert_never(other)
         return self._engine

@@ -11,14 +11,19 @@ calls (``load_weights``), so a call's tokens share one version.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from infra.rollout.reload_warnings import expected_casts_summarized, expected_reload_warnings_dropped
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,11 +126,14 @@ class VLLMEngine:
     replica = "vllm-inproc-0"
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048,
-                 kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0, threads: int = 0):
+                 kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0, threads: int = 0,
+                 realtime_priority: int = 0):
         """Load the model; policy version starts at ``policy_version``.
 
         ``threads`` > 0: the engine's steps run on that many CPU threads (OpenMP's thread count is per
         calling thread: set in the batching thread only, torch's default left to the rest of the process).
+        ``realtime_priority`` > 0: the batching thread runs under ``SCHED_FIFO`` at that priority
+        (:func:`realtime_thread`; :attr:`step_thread` says what it got).
 
         Calls to :meth:`generate` from several threads (episodes running concurrently) share the engine by
         continuous batching: one background thread admits every waiting request at the next engine step
@@ -162,6 +170,10 @@ class VLLMEngine:
         self._in_flight = 0  # requests admitted and not finished (under _queue_cv)
         self._holds = 0  # weight loads waiting for the engine to drain: nothing new is admitted (under _queue_cv)
         self.threads = threads
+        self.realtime_priority = realtime_priority
+        self.step_thread = "normal"
+        """The batching thread's scheduling: ``normal``, ``SCHED_FIFO <priority>``, or why realtime was not applied."""
+        self._realtime_slot = None  # the host-wide slot held while the batching thread is realtime
         self.continuous_batching = True
         """False: waiting calls are admitted only when nothing is in flight (one batch at a time, run to its end:
         how this engine batched before; kept to measure against, ``benchmarks.rollout_path --batch-at-once``)."""
@@ -218,6 +230,9 @@ class VLLMEngine:
         in_flight: dict[str, tuple[_Pending, int, int, str]] = {}  # request id -> (call, index, version, internal id)
         if self.threads:
             own_thread_count(self.threads)
+        if self.realtime_priority:
+            self._realtime_slot, self.step_thread = realtime_thread(self.realtime_priority)
+            (log.info if self._realtime_slot else log.warning)("engine steps: %s", self.step_thread)
         while True:
             with self._queue_cv:
                 while not self._closed and not in_flight and (not self._queue or self._holds):
@@ -226,6 +241,9 @@ class VLLMEngine:
                     for b in self._queue + [b for b, *_ in in_flight.values()]:
                         b.error = RuntimeError("the engine was closed")
                         b.done.set()
+                    if self._realtime_slot is not None:  # the thread ends: its slot is free for another
+                        self._realtime_slot.close()
+                        self._realtime_slot = None
                     return
                 hold = self._holds or (in_flight and not self.continuous_batching)
                 admit, self._queue = ([], self._queue) if hold else (self._queue, [])
@@ -370,6 +388,42 @@ class VLLMEngine:
 
     def finish(self, trajectory_id: str) -> None:
         """A trajectory ended (nothing to do for one in-process replica)."""
+
+
+def realtime_thread(priority: int, lock_dir: str | None = None):
+    """Put the calling thread under ``SCHED_FIFO`` at ``priority`` (1-99, Linux), if a slot is free.
+
+    Such a thread takes a core the moment it is runnable, ahead of every normal thread, and keeps it until it
+    blocks. On a small CPU host the engine's step thread otherwise waits 17-21% of its step time for a core held
+    by the sandboxes, verifiers and episode threads, which neither a nice value nor the sandboxes' cgroup CPU
+    weight changes (BENCHMARKS.md, ``make bench-rollout``). So that normal threads always keep a core, at most
+    ``CPUs - 1`` threads on the host take it: each holds one of that many slots (``flock`` on
+    ``<lock_dir>/agentrl-realtime-step-<i>.lock``, default the temp dir; released when the returned file is
+    closed or the process ends). Linux's RT throttling (``sched_rt_runtime_us``) bounds it further.
+
+    Returns ``(slot, description)``: the open slot file, or None and the reason when the thread stays normal
+    (fewer than 2 CPUs, every slot taken, not permitted: needs ``CAP_SYS_NICE`` or ``RLIMIT_RTPRIO``). Raises
+    nothing else.
+    """
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        return None, f"normal (SCHED_FIFO {priority} not applied: {cpus} CPU, the other threads would starve)"
+    lock_dir = lock_dir or tempfile.gettempdir()
+    for i in range(cpus - 1):
+        slot = open(os.path.join(lock_dir, f"agentrl-realtime-step-{i}.lock"), "a")
+        try:
+            fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            slot.close()
+            continue
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        except OSError as err:
+            slot.close()
+            return None, f"normal (SCHED_FIFO {priority} not permitted: {err.strerror}; needs CAP_SYS_NICE)"
+        return slot, f"SCHED_FIFO {priority}"
+    return None, (f"normal (SCHED_FIFO {priority} not applied: all {cpus - 1} realtime slots of this host's "
+                  f"{cpus} CPUs are taken, under {lock_dir})")
 
 
 def own_thread_count(threads: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,7 +13,8 @@ from infra.rollout.engine import SampleRequest, VLLMEngine
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    e = VLLMEngine(str(tiny_model), max_model_len=512, kv_cache_gib=1.0)
+    # as the quickstart runs it: one thread for the steps, at realtime priority where permitted
+    e = VLLMEngine(str(tiny_model), max_model_len=512, kv_cache_gib=1.0, threads=1, realtime_priority=1)
     yield e
     e.close()
 
@@ -66,3 +68,13 @@ def test_several_requests_in_one_call_and_an_empty_call(engine):
     assert engine.generate([]) == []
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([SampleRequest(_ids(engine), 600, 1.0, 1.0, 0)])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or len(os.sched_getaffinity(0)) < 2,
+                    reason="SCHED_FIFO needs root (or CAP_SYS_NICE) and a second CPU")
+def test_the_engine_steps_on_a_realtime_thread(engine):
+    engine.generate([SampleRequest(_ids(engine), 2, 1.0, 1.0, 7)])
+    assert engine.step_thread == "SCHED_FIFO 1"
+    assert os.sched_getscheduler(engine._batcher.native_id) == os.SCHED_FIFO
+    assert os.sched_getparam(engine._batcher.native_id).sched_priority == 1
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the callers' threads stay normal

@@ -122,7 +122,7 @@ def test_unknown_key_in_a_kind_lists_that_kinds_keys(tmp_path):
         'expected one of (engine, kind = "servers"): advertise, count, host, kind, routing, threads')
     assert _error(tmp_path, '[engine]\nkind = "inproc"\ncount = 2\n') == (
         "bad.toml: unknown key 'engine.count'; 'count' is a key of kind 'servers'; "
-        'expected one of (engine, kind = "inproc"): kind, threads')
+        'expected one of (engine, kind = "inproc"): kind, realtime_priority, threads')
     assert _error(tmp_path, '[rollout.scheduler]\nkind = "async"\nprefech = true\n').startswith(
         "bad.toml: unknown key 'rollout.scheduler.prefech'; did you mean 'prefetch'? "
         'expected one of (rollout.scheduler, kind = "async"): dynamic_sampling, episode_deadline_s, infra_policy,')

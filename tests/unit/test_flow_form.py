@@ -25,7 +25,7 @@ def _choices(schema: dict, model: str, field: str) -> tuple[list[str], dict]:
 
 def test_each_backend_union_is_a_choice_with_its_default(schema):
     assert _choices(schema, "RunConfig", "engine") == (["InprocEngine", "ServersEngine", "RemoteEngine"],
-                                                       {"kind": "inproc", "threads": 0})
+                                                       {"kind": "inproc", "threads": 0, "realtime_priority": 0})
     assert _choices(schema, "RunConfig", "publish") == (
         ["StoragePublish", "DirectPublish", "ColocatedPublish"], {"kind": "storage", "endpoint": ""})
     names, default = _choices(schema, "RolloutConfig", "scheduler")

@@ -1,0 +1,73 @@
+"""The engine's step thread at realtime priority: slots, refusals, and the config rule (infra.rollout.engine)."""
+import os
+import threading
+
+import pytest
+
+from infra.config import ConfigError, InprocEngine, load_config
+from infra.rollout.engine import realtime_thread
+
+
+def _in_thread(fn):
+    out = {}
+
+    def go():
+        out["result"] = fn()
+        out["policy"] = os.sched_getscheduler(0)
+
+    t = threading.Thread(target=go)
+    t.start()
+    t.join()
+    return out
+
+
+def _cpus(monkeypatch, n):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs root or CAP_SYS_NICE")
+def test_the_thread_runs_fifo_while_a_slot_is_free_and_the_slot_returns_when_closed(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 2)  # one slot: a core always stays with the normal threads
+    first = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
+    slot, said = first["result"]
+    assert slot is not None and said == "SCHED_FIFO 3" and first["policy"] == os.SCHED_FIFO
+    second = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
+    assert second["result"][0] is None and second["policy"] == os.SCHED_OTHER
+    assert "all 1 realtime slots of this host's 2 CPUs are taken" in second["result"][1]
+    slot.close()
+    third = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
+    assert third["result"][1] == "SCHED_FIFO 3" and third["policy"] == os.SCHED_FIFO
+    third["result"][0].close()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread was never touched
+
+
+def test_one_cpu_or_no_permission_leaves_the_thread_normal_and_the_slot_free(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 1)
+    r = _in_thread(lambda: realtime_thread(1, str(tmp_path)))
+    assert r["result"] == (None, "normal (SCHED_FIFO 1 not applied: 1 CPU, the other threads would starve)")
+    assert r["policy"] == os.SCHED_OTHER
+    _cpus(monkeypatch, 2)
+
+    def refused(pid, policy, param):
+        raise PermissionError(1, "Operation not permitted")
+
+    real = os.sched_setscheduler
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    r = _in_thread(lambda: realtime_thread(1, str(tmp_path)))
+    assert r["result"][0] is None and "not permitted: Operation not permitted" in r["result"][1]
+    monkeypatch.setattr(os, "sched_setscheduler", lambda pid, policy, param: None)  # the slot was let go
+    slot, said = realtime_thread(1, str(tmp_path))
+    assert said == "SCHED_FIFO 1"
+    slot.close()
+    monkeypatch.setattr(os, "sched_setscheduler", real)
+
+
+def test_realtime_steps_need_one_engine_thread(tmp_path):
+    assert InprocEngine(threads=1, realtime_priority=1).realtime_priority == 1
+    p = tmp_path / "bad.toml"
+    p.write_text('[engine]\nkind = "inproc"\nrealtime_priority = 1\n')
+    with pytest.raises(ConfigError, match=r"engine.realtime_priority = 1 needs engine.threads = 1 \(it is 0\)"):
+        load_config(p)
+    p.write_text('[engine]\nkind = "inproc"\nthreads = 1\nrealtime_priority = 100\n')
+    with pytest.raises(ConfigError, match="realtime_priority"):
+        load_config(p)
