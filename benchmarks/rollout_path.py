@@ -130,23 +130,21 @@ def _split(clock: dict) -> str:
 
 
 def bare_engine(llm, requests: list[tuple[object, int]], concurrency: int, threads: int = 0,
-                trajectories: list[str] | None = None, realtime_priority: int = 0) -> dict:
+                trajectories: list[str] | None = None) -> dict:
     """Drive vLLM's ``LLM`` directly with ``requests`` (``SampleRequest``, sampled length), ``concurrency`` in flight.
 
     With ``trajectories`` (each request's episode id, requests in turn order within an episode), an
     episode's next request is enqueued only when its previous one finishes, and ``concurrency`` is ignored.
     Runs in a thread of its own with the engine's CPU thread count (``threads``, 0: torch's default), as the
-    engine's own steps run, and under ``SCHED_FIFO`` when ``realtime_priority`` > 0 and the engine's own step
-    thread got it (that thread is idle meanwhile, so its slot is not taken again). Returns generated tokens,
-    seconds, tokens/s (the engine is busy the whole time) and the mean requests in flight.
+    engine's own steps run, at normal priority whatever the engine's (a realtime replay that never sleeps would be
+    throttled by the kernel, 5% of each second by default). Returns generated tokens, seconds, tokens/s (the
+    engine is busy the whole time) and the mean requests in flight.
     """
     out: dict = {}
 
     def go():
         if threads:
             own_thread_count(threads)
-        if realtime_priority:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(realtime_priority))
         out.update(_replay(llm, requests, concurrency, trajectories))
 
     t = threading.Thread(target=go, name="bare-engine")
@@ -278,15 +276,13 @@ def main(argv: list[str] | None = None) -> int:
               f"(engine busy {busy:.1f} s): {ours['tokens_per_s_busy']:.1f} tokens/s while busy, idle "
               f"{100 * ours['idle_frac']:.0f}%, peak {recorder.peak} requests in flight", flush=True)
         print(f"  our engine thread ({engine.step_thread})'s {_split(ours['engine_thread'])}", flush=True)
-        rt = engine.realtime_priority if engine.step_thread.startswith("SCHED_FIFO") else 0
-        bare = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads,
-                                 realtime_priority=rt)
+        bare = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads)
         bare["engine_thread"] = clock.take()
         print(f"bare engine: same {len(recorder.requests)} requests, {recorder.peak} in flight: "
               f"{bare['generated_tokens']} tokens in {bare['seconds']:.1f} s = {bare['tokens_per_s']:.1f} tokens/s",
               flush=True)
         turns = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads,
-                            trajectories=recorder.trajectories, realtime_priority=rt)
+                            trajectories=recorder.trajectories)
         print(f"bare engine, turn order kept ({len(set(recorder.trajectories))} episodes at once, each turn after "
               f"the one before): {turns['tokens_per_s']:.1f} tokens/s, {turns['mean_in_flight']:.1f} requests in "
               f"flight on average", flush=True)
@@ -295,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         # the same replay beside one busy core: what sharing the 2 cores costs the engine (the machine's share)
         burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            contended = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads,
-                                 realtime_priority=rt)
+            contended = bare_engine(engine.llm, recorder.requests, max(1, recorder.peak), engine.threads)
         finally:
             burner.kill()
             burner.wait()

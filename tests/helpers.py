@@ -1,5 +1,5 @@
 """Helpers shared by more than one tier or module: the repository root, the flows' CLI in a subprocess, a
-trajectory row, Prefect's asset events.
+trajectory row, Prefect's asset events, whether realtime scheduling is permitted.
 
 Light on purpose (no service, nothing heavy imported at module level): unit tests import it too, and
 subprocesses started by integration tests import ``make_row`` from here.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,3 +78,21 @@ def run_scripted_episode(backend, tokenizer, task, entry, replies: list[str],
         return c.run(EpisodeJob(f"run/0/{task.task_id}", task, 0, 0, 1234, 0)), engine
     finally:
         c.close()
+
+
+def may_run_fifo() -> bool:
+    """Whether this process may put a thread under SCHED_FIFO (root is not enough in every container)."""
+    ok = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe)  # the probing thread ends at once
+    t.start()
+    t.join()
+    return bool(ok)
+

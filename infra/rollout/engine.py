@@ -127,19 +127,24 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int = 2048,
                  kv_cache_gib: float = 2.0, seed: int = 0, policy_version: int = 0, threads: int = 0,
-                 realtime_priority: int = 0):
+                 realtime_priority: int = 0, realtime_lock_dir: str | None = None):
         """Load the model; policy version starts at ``policy_version``.
 
         ``threads`` > 0: the engine's steps run on that many CPU threads (OpenMP's thread count is per
         calling thread: set in the batching thread only, torch's default left to the rest of the process).
         ``realtime_priority`` > 0: the batching thread runs under ``SCHED_FIFO`` at that priority
-        (:func:`realtime_thread`; :attr:`step_thread` says what it got).
+        (:func:`realtime_thread`, its slots under ``realtime_lock_dir``; :attr:`step_thread` says what it got).
+        Needs ``threads == 1``: OpenMP workers the realtime thread started would inherit its policy, a spinning
+        realtime thread per core (raises ValueError otherwise).
 
         Calls to :meth:`generate` from several threads (episodes running concurrently) share the engine by
         continuous batching: one background thread admits every waiting request at the next engine step
         (``LLM.enqueue``, then ``LLMEngine.step`` as vLLM's own ``LLM.generate`` loop does), so a request
         arriving while others decode joins them instead of waiting for the whole batch to end.
         """
+        if realtime_priority and threads != 1:
+            raise ValueError(f"realtime_priority = {realtime_priority} needs threads = 1 (got {threads}): OpenMP "
+                             "workers started by a realtime thread inherit its policy")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM's own logging setup runs dictConfig, which flushes every existing handler under the
         # logging lock; Prefect's API log handler then waits on its worker thread, which needs that
@@ -170,8 +175,8 @@ class VLLMEngine:
         self._in_flight = 0  # requests admitted and not finished (under _queue_cv)
         self._holds = 0  # weight loads waiting for the engine to drain: nothing new is admitted (under _queue_cv)
         self.threads = threads
-        self.realtime_priority = realtime_priority
-        self.step_thread = "normal"
+        self.realtime_priority, self.realtime_lock_dir = realtime_priority, realtime_lock_dir
+        self.step_thread = "pending (set when the batching thread starts)" if realtime_priority else "normal"
         """The batching thread's scheduling: ``normal``, ``SCHED_FIFO <priority>``, or why realtime was not applied."""
         self._realtime_slot = None  # the host-wide slot held while the batching thread is realtime
         self.continuous_batching = True
@@ -222,17 +227,27 @@ class VLLMEngine:
         return pending.samples
 
     def _batch_loop(self) -> None:
+        """The batching thread: its CPU thread count and priority, then :meth:`_serve`; gives its slot back."""
+        try:
+            if self.threads:
+                own_thread_count(self.threads)  # before realtime: it starts a helper thread, which stays normal
+            if self.realtime_priority:
+                self._realtime_slot, self.step_thread = realtime_thread(self.realtime_priority,
+                                                                        self.realtime_lock_dir)
+                (log.info if self._realtime_slot else log.warning)("engine steps: %s", self.step_thread)
+            self._serve()
+        finally:
+            if self._realtime_slot is not None:
+                self._realtime_slot.close()
+                self._realtime_slot = None
+
+    def _serve(self) -> None:
         """Admit every waiting call at the next step, step the engine, hand each call its samples when all finish.
 
         A weight load (:meth:`_drained`) stops admission until the requests in flight finish, so every
         sample's tokens come from one policy version.
         """
         in_flight: dict[str, tuple[_Pending, int, int, str]] = {}  # request id -> (call, index, version, internal id)
-        if self.threads:
-            own_thread_count(self.threads)
-        if self.realtime_priority:
-            self._realtime_slot, self.step_thread = realtime_thread(self.realtime_priority)
-            (log.info if self._realtime_slot else log.warning)("engine steps: %s", self.step_thread)
         while True:
             with self._queue_cv:
                 while not self._closed and not in_flight and (not self._queue or self._holds):
@@ -241,9 +256,6 @@ class VLLMEngine:
                     for b in self._queue + [b for b, *_ in in_flight.values()]:
                         b.error = RuntimeError("the engine was closed")
                         b.done.set()
-                    if self._realtime_slot is not None:  # the thread ends: its slot is free for another
-                        self._realtime_slot.close()
-                        self._realtime_slot = None
                     return
                 hold = self._holds or (in_flight and not self.continuous_batching)
                 admit, self._queue = ([], self._queue) if hold else (self._queue, [])
@@ -391,39 +403,44 @@ class VLLMEngine:
 
 
 def realtime_thread(priority: int, lock_dir: str | None = None):
-    """Put the calling thread under ``SCHED_FIFO`` at ``priority`` (1-99, Linux), if a slot is free.
+    """Put the calling thread under ``SCHED_FIFO`` at ``priority`` (1-99, Linux) if one of the slots is free.
 
-    Such a thread takes a core the moment it is runnable, ahead of every normal thread, and keeps it until it
-    blocks. On a small CPU host the engine's step thread otherwise waits 17-21% of its step time for a core held
-    by the sandboxes, verifiers and episode threads, which neither a nice value nor the sandboxes' cgroup CPU
-    weight changes (BENCHMARKS.md, ``make bench-rollout``). So that normal threads always keep a core, at most
-    ``CPUs - 1`` threads on the host take it: each holds one of that many slots (``flock`` on
-    ``<lock_dir>/agentrl-realtime-step-<i>.lock``, default the temp dir; released when the returned file is
-    closed or the process ends). Linux's RT throttling (``sched_rt_runtime_us``) bounds it further.
+    Such a thread takes a core the moment it is runnable, ahead of every normal thread. So that normal threads
+    keep a core, at most ``CPUs - 1`` threads (CPUs: the process's affinity) take it, each holding a slot: a
+    ``flock`` on ``<lock_dir>/agentrl-realtime-step-<i>.lock`` (default the temp dir; processes with another temp
+    dir or affinity count apart), released when the returned file is closed or the process ends.
 
-    Returns ``(slot, description)``: the open slot file, or None and the reason when the thread stays normal
-    (fewer than 2 CPUs, every slot taken, not permitted: needs ``CAP_SYS_NICE`` or ``RLIMIT_RTPRIO``). Raises
-    nothing else.
+    Returns ``(slot file, "SCHED_FIFO <priority>")``, or ``(None, why the thread stays normal)``: fewer than 2
+    CPUs, every slot taken or unopenable, or not permitted (needs ``CAP_SYS_NICE`` or ``RLIMIT_RTPRIO``).
+    Raises nothing.
     """
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
         return None, f"normal (SCHED_FIFO {priority} not applied: {cpus} CPU, the other threads would starve)"
     lock_dir = lock_dir or tempfile.gettempdir()
+    unopenable = ""
     for i in range(cpus - 1):
-        slot = open(os.path.join(lock_dir, f"agentrl-realtime-step-{i}.lock"), "a")
+        path = os.path.join(lock_dir, f"agentrl-realtime-step-{i}.lock")
+        try:  # read-only is enough for flock: a slot another user created stays usable
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError as err:
+            unopenable = f"; {path}: {err.strerror}"
+            continue
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)  # the umask's cut, for the next user (only the owner can)
         try:
-            fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            slot.close()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
             continue
         try:
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
         except OSError as err:
-            slot.close()
+            os.close(fd)
             return None, f"normal (SCHED_FIFO {priority} not permitted: {err.strerror}; needs CAP_SYS_NICE)"
-        return slot, f"SCHED_FIFO {priority}"
-    return None, (f"normal (SCHED_FIFO {priority} not applied: all {cpus - 1} realtime slots of this host's "
-                  f"{cpus} CPUs are taken, under {lock_dir})")
+        return os.fdopen(fd, "rb"), f"SCHED_FIFO {priority}"
+    return None, (f"normal (SCHED_FIFO {priority} not applied: none of the {cpus - 1} realtime slots for "
+                  f"{cpus} CPUs is free, under {lock_dir}{unopenable})")
 
 
 def own_thread_count(threads: int) -> None:

@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from infra.config import ConfigError, InprocEngine, load_config
-from infra.rollout.engine import realtime_thread
+from infra.rollout.engine import VLLMEngine, realtime_thread
+from tests.helpers import may_run_fifo
 
 
 def _in_thread(fn):
@@ -25,7 +26,7 @@ def _cpus(monkeypatch, n):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs root or CAP_SYS_NICE")
+@pytest.mark.skipif(not may_run_fifo(), reason="SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
 def test_the_thread_runs_fifo_while_a_slot_is_free_and_the_slot_returns_when_closed(monkeypatch, tmp_path):
     _cpus(monkeypatch, 2)  # one slot: a core always stays with the normal threads
     first = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
@@ -33,7 +34,7 @@ def test_the_thread_runs_fifo_while_a_slot_is_free_and_the_slot_returns_when_clo
     assert slot is not None and said == "SCHED_FIFO 3" and first["policy"] == os.SCHED_FIFO
     second = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
     assert second["result"][0] is None and second["policy"] == os.SCHED_OTHER
-    assert "all 1 realtime slots of this host's 2 CPUs are taken" in second["result"][1]
+    assert "none of the 1 realtime slots for 2 CPUs is free" in second["result"][1]
     slot.close()
     third = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
     assert third["result"][1] == "SCHED_FIFO 3" and third["policy"] == os.SCHED_FIFO
@@ -71,3 +72,34 @@ def test_realtime_steps_need_one_engine_thread(tmp_path):
     p.write_text('[engine]\nkind = "inproc"\nthreads = 1\nrealtime_priority = 100\n')
     with pytest.raises(ConfigError, match="realtime_priority"):
         load_config(p)
+
+
+def test_an_unopenable_slot_leaves_the_thread_normal_and_says_why(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 2)
+    r = _in_thread(lambda: realtime_thread(1, str(tmp_path / "missing")))
+    assert r["result"][0] is None and r["policy"] == os.SCHED_OTHER
+    assert "agentrl-realtime-step-0.lock: No such file or directory" in r["result"][1]
+
+
+def test_the_batching_thread_gives_its_slot_back_however_it_ends(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 2)
+    monkeypatch.setattr(os, "sched_setscheduler", lambda pid, policy, param: None)
+    e = object.__new__(VLLMEngine)  # the batching thread's frame only: no model
+    e.threads, e.realtime_priority, e.realtime_lock_dir, e._realtime_slot = 0, 1, str(tmp_path), None
+
+    def failing_serve():
+        assert e._realtime_slot is not None  # held while serving
+        raise RuntimeError("a fault outside the step")
+
+    e._serve = failing_serve
+    with pytest.raises(RuntimeError, match="outside the step"):
+        e._batch_loop()
+    assert e.step_thread == "SCHED_FIFO 1" and e._realtime_slot is None
+    slot, said = realtime_thread(1, str(tmp_path))  # free again
+    assert said == "SCHED_FIFO 1"
+    slot.close()
+
+
+def test_an_engine_with_realtime_steps_needs_one_thread(tmp_path):
+    with pytest.raises(ValueError, match="realtime_priority = 1 needs threads = 1 \\(got 0\\)"):
+        VLLMEngine(str(tmp_path), realtime_priority=1)
