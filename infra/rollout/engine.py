@@ -11,10 +11,12 @@ calls (``load_weights``), so a call's tokens share one version.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -421,8 +423,17 @@ def realtime_thread(priority: int, lock_dir: str | None = None):
     unopenable = ""
     for i in range(cpus - 1):
         path = os.path.join(lock_dir, f"agentrl-realtime-step-{i}.lock")
-        try:  # read-only is enough for flock: a slot another user created stays usable
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        # read-only is enough for flock, so a slot another user created stays usable; O_CREAT only when missing
+        # (with it, fs.protected_regular refuses another user's file in /tmp); a FIFO or link there is refused
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+        try:
+            try:
+                fd = os.open(path, flags)
+            except FileNotFoundError:
+                fd = os.open(path, flags | os.O_CREAT, 0o666)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file")
         except OSError as err:
             unopenable = f"; {path}: {err.strerror}"
             continue
@@ -434,7 +445,8 @@ def realtime_thread(priority: int, lock_dir: str | None = None):
             os.close(fd)
             continue
         try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            # threads it starts (and forks) begin at normal priority
+            os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
         except OSError as err:
             os.close(fd)
             return None, f"normal (SCHED_FIFO {priority} not permitted: {err.strerror}; needs CAP_SYS_NICE)"

@@ -77,5 +77,5 @@ def test_several_requests_in_one_call_and_an_empty_call(engine):
 def test_the_engine_steps_on_a_realtime_thread(engine):
     engine.generate([SampleRequest(_ids(engine), 2, 1.0, 1.0, 7)])
     assert engine.step_thread == "SCHED_FIFO 1"
-    assert os.sched_getscheduler(engine._batcher.native_id) == os.SCHED_FIFO
+    assert os.sched_getscheduler(engine._batcher.native_id) == os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
     assert os.sched_getparam(engine._batcher.native_id).sched_priority == 1

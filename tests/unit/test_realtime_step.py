@@ -22,6 +22,9 @@ def _in_thread(fn):
     return out
 
 
+FIFO = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK  # what sched_getscheduler reads back
+
+
 def _cpus(monkeypatch, n):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
 
@@ -31,13 +34,13 @@ def test_the_thread_runs_fifo_while_a_slot_is_free_and_the_slot_returns_when_clo
     _cpus(monkeypatch, 2)  # one slot: a core always stays with the normal threads
     first = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
     slot, said = first["result"]
-    assert slot is not None and said == "SCHED_FIFO 3" and first["policy"] == os.SCHED_FIFO
+    assert slot is not None and said == "SCHED_FIFO 3" and first["policy"] == FIFO
     second = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
     assert second["result"][0] is None and second["policy"] == os.SCHED_OTHER
     assert "none of the 1 realtime slots for 2 CPUs is free" in second["result"][1]
     slot.close()
     third = _in_thread(lambda: realtime_thread(3, str(tmp_path)))
-    assert third["result"][1] == "SCHED_FIFO 3" and third["policy"] == os.SCHED_FIFO
+    assert third["result"][1] == "SCHED_FIFO 3" and third["policy"] == FIFO
     third["result"][0].close()
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread was never touched
 
@@ -103,3 +106,25 @@ def test_the_batching_thread_gives_its_slot_back_however_it_ends(monkeypatch, tm
 def test_an_engine_with_realtime_steps_needs_one_thread(tmp_path):
     with pytest.raises(ValueError, match="realtime_priority = 1 needs threads = 1 \\(got 0\\)"):
         VLLMEngine(str(tmp_path), realtime_priority=1)
+
+
+@pytest.mark.skipif(not may_run_fifo(), reason="SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
+def test_threads_a_realtime_thread_starts_begin_at_normal_priority(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 2)
+
+    def start_one():
+        slot, _ = realtime_thread(1, str(tmp_path))
+        child = _in_thread(lambda: None)
+        slot.close()
+        return child["policy"]
+
+    r = _in_thread(start_one)
+    assert r["policy"] == FIFO and r["result"] == os.SCHED_OTHER
+
+
+def test_a_fifo_at_the_slot_path_is_refused_without_blocking(monkeypatch, tmp_path):
+    _cpus(monkeypatch, 2)
+    os.mkfifo(tmp_path / "agentrl-realtime-step-0.lock")  # opening it blocking would wait for a writer forever
+    r = _in_thread(lambda: realtime_thread(1, str(tmp_path)))
+    assert r["result"][0] is None and r["policy"] == os.SCHED_OTHER
+    assert "agentrl-realtime-step-0.lock: not a regular file" in r["result"][1]
