@@ -296,7 +296,12 @@ class VLLMEngine:
                 continue
             for out in finished:
                 b, i, version, _ = in_flight.pop(out.request_id)
-                b.samples[i] = self._sample(out, version, b)
+                if b.error is None:
+                    try:
+                        b.samples[i] = self._sample(out, version, b)
+                    except Exception as err:  # noqa: BLE001 - this call fails, the thread and the others go on
+                        b.error = err
+                        b.done.set()
                 b.remaining -= 1
                 if not b.remaining:
                     b.done.set()

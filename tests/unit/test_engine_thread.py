@@ -1,4 +1,4 @@
-"""The engine's step thread at realtime priority: slots, refusals, and the config rule (infra.rollout.engine)."""
+"""The engine's batching thread: realtime priority (slots, refusals, the config rule) and its faults."""
 import os
 import threading
 
@@ -128,3 +128,47 @@ def test_a_fifo_at_the_slot_path_is_refused_without_blocking(monkeypatch, tmp_pa
     r = _in_thread(lambda: realtime_thread(1, str(tmp_path)))
     assert r["result"][0] is None and r["policy"] == os.SCHED_OTHER
     assert "agentrl-realtime-step-0.lock: not a regular file" in r["result"][1]
+
+
+def test_a_sample_that_cannot_be_read_fails_its_call_not_the_batching_thread(tmp_path):
+    """A fault turning one output into a sample (the engine record unwritable) reaches that call, and the
+    batching thread serves the next call (before, the thread died and every caller waited forever)."""
+    from types import SimpleNamespace
+
+    from infra.rollout.engine import _Pending
+
+    class Engine:  # vLLM's LLM as the loop uses it: enqueue, then step until each request finishes
+        def __init__(self):
+            self.n, self.waiting = 0, []
+            self.llm_engine = self
+
+        def enqueue(self, prompts, params, use_tqdm=False):
+            ids = [f"{self.n + k}-abcdefgh" for k in range(len(prompts))]
+            self.n += len(prompts)
+            self.waiting += [i.split("-")[0] for i in ids]
+            return ids
+
+        def step(self):
+            done, self.waiting = self.waiting, []
+            return [SimpleNamespace(request_id=r, finished=True) for r in done]
+
+    e = object.__new__(VLLMEngine)
+    e.__dict__.update(llm=Engine(), threads=0, realtime_priority=0, realtime_lock_dir=None, _realtime_slot=None,
+                      _lock=threading.Lock(), _queue=[], _queue_cv=threading.Condition(), _closed=False,
+                      _in_flight=0, _holds=0, continuous_batching=True, policy_version=0, busy_s=0.0, calls=0)
+    bad = str(tmp_path / "missing" / "record.jsonl")
+    e._sample = lambda out, version, call: open(bad, "a") if call.prompts[0] == "bad" else out.request_id
+    e._batcher = threading.Thread(target=e._batch_loop, daemon=True)
+    e._batcher.start()
+    calls = [_Pending(["bad", "x"], [None, None]), _Pending(["ok"], [None])]
+    for c in calls:
+        with e._queue_cv:
+            e._queue.append(c)
+            e._queue_cv.notify()
+        assert c.done.wait(10), "the call was never answered"
+    assert isinstance(calls[0].error, FileNotFoundError)
+    assert calls[1].error is None and calls[1].samples == ["2"] and e._batcher.is_alive()
+    with e._queue_cv:
+        e._closed = True
+        e._queue_cv.notify_all()
+    e._batcher.join(10)
