@@ -447,15 +447,16 @@ class InprocEngine(_Strict):
     realtime_priority: int = Field(0, ge=0, le=99)
     """> 0: the thread that steps the engine runs under Linux ``SCHED_FIFO`` at this priority, so it takes a core
     the moment it has a step to make instead of waiting behind the sandboxes and verifiers (on 2 cores: 10% less
-    collection time, BENCHMARKS.md). Needs ``threads = 1`` (OpenMP workers it started would inherit its policy,
-    a spinning realtime thread per core) and root or ``CAP_SYS_NICE``; at most CPUs - 1 such threads per temp dir
-    (``infra.rollout.engine.realtime_thread``), else a warning and normal priority. 0: normal priority."""
+    collection time, BENCHMARKS.md). Needs ``threads = 1`` (its OpenMP workers start at normal priority and a
+    realtime step would wait on them at every barrier) and root or ``CAP_SYS_NICE``; at most CPUs - 1 such threads
+    per temp dir (``infra.rollout.engine.realtime_thread``), else a warning and normal priority. 0: normal
+    priority."""
 
     @model_validator(mode="after")
     def _check_realtime(self):
         if self.realtime_priority and self.threads != 1:
             raise ValueError(f"engine.realtime_priority = {self.realtime_priority} needs engine.threads = 1 (it is "
-                             f"{self.threads}): OpenMP workers it started would inherit its realtime policy")
+                             f"{self.threads}): a realtime step would wait on OpenMP workers at normal priority")
         return self
 
 

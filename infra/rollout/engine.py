@@ -136,8 +136,8 @@ class VLLMEngine:
         calling thread: set in the batching thread only, torch's default left to the rest of the process).
         ``realtime_priority`` > 0: the batching thread runs under ``SCHED_FIFO`` at that priority
         (:func:`realtime_thread`, its slots under ``realtime_lock_dir``; :attr:`step_thread` says what it got).
-        Needs ``threads == 1``: OpenMP workers the realtime thread started would inherit its policy, a spinning
-        realtime thread per core (raises ValueError otherwise).
+        Needs ``threads == 1``: OpenMP workers start at normal priority (``SCHED_RESET_ON_FORK``) and a realtime
+        step would wait on them at every barrier (raises ValueError otherwise).
 
         Calls to :meth:`generate` from several threads (episodes running concurrently) share the engine by
         continuous batching: one background thread admits every waiting request at the next engine step
@@ -146,7 +146,7 @@ class VLLMEngine:
         """
         if realtime_priority and threads != 1:
             raise ValueError(f"realtime_priority = {realtime_priority} needs threads = 1 (got {threads}): OpenMP "
-                             "workers started by a realtime thread inherit its policy")
+                             "workers start at normal priority and a realtime step would wait on them")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM's own logging setup runs dictConfig, which flushes every existing handler under the
         # logging lock; Prefect's API log handler then waits on its worker thread, which needs that
