@@ -72,7 +72,8 @@ def two_service(tmp_path_factory):
 
 
 def _projects(backend) -> set[str]:
-    return {c.labels[PROJECT_LABEL] for c in backend.client.containers.list(all=True, filters={"label": PROJECT_LABEL})}
+    return {c.labels[PROJECT_LABEL] for c in backend.client.containers.list(all=True, ignore_removed=True,
+                                                                          filters={"label": PROJECT_LABEL})}
 
 
 def test_two_service_task_validates_through_compose(backend, two_service):

@@ -58,7 +58,7 @@ def _ray_ranks(node) -> list[int]:
 
 def _ours(client) -> list:
     """Sandbox containers (any run's) on ``client``'s engine."""
-    return client.containers.list(all=True, filters={"label": "agentrl=1"})
+    return client.containers.list(all=True, ignore_removed=True, filters={"label": "agentrl=1"})
 
 
 def test_post_train_spans_three_nodes_and_resumes_after_sigkill_leaving_nothing(tiny_model, s3, services_env,
