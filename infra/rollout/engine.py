@@ -180,7 +180,6 @@ class VLLMEngine:
         self.realtime_priority, self.realtime_lock_dir = realtime_priority, realtime_lock_dir
         self.step_thread = "pending (set when the batching thread starts)" if realtime_priority else "normal"
         """The batching thread's scheduling: ``normal``, ``SCHED_FIFO <priority>``, or why realtime was not applied."""
-        self._realtime_slot = None  # the host-wide slot held while the batching thread is realtime
         self.continuous_batching = True
         """False: waiting calls are admitted only when nothing is in flight (one batch at a time, run to its end:
         how this engine batched before; kept to measure against, ``benchmarks.rollout_path --batch-at-once``)."""
@@ -230,18 +229,17 @@ class VLLMEngine:
 
     def _batch_loop(self) -> None:
         """The batching thread: its CPU thread count and priority, then :meth:`_serve`; gives its slot back."""
+        slot = None
         try:
             if self.threads:
                 own_thread_count(self.threads)  # before realtime: it starts a helper thread, which stays normal
             if self.realtime_priority:
-                self._realtime_slot, self.step_thread = realtime_thread(self.realtime_priority,
-                                                                        self.realtime_lock_dir)
-                (log.info if self._realtime_slot else log.warning)("engine steps: %s", self.step_thread)
+                slot, self.step_thread = realtime_thread(self.realtime_priority, self.realtime_lock_dir)
+                (log.info if slot else log.warning)("engine steps: %s", self.step_thread)
             self._serve()
         finally:
-            if self._realtime_slot is not None:
-                self._realtime_slot.close()
-                self._realtime_slot = None
+            if slot is not None:
+                slot.close()
 
     def _serve(self) -> None:
         """Admit every waiting call at the next step, step the engine, hand each call its samples when all finish.
@@ -436,14 +434,14 @@ def realtime_thread(priority: int, lock_dir: str | None = None):
                 fd = os.open(path, flags)
             except FileNotFoundError:
                 fd = os.open(path, flags | os.O_CREAT, 0o666)
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o666)  # the umask's cut: another user may read it too
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise OSError(errno.EINVAL, "not a regular file")
         except OSError as err:
             unopenable = f"; {path}: {err.strerror}"
             continue
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # the umask's cut, for the next user (only the owner can)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -88,16 +88,17 @@ def test_the_batching_thread_gives_its_slot_back_however_it_ends(monkeypatch, tm
     _cpus(monkeypatch, 2)
     monkeypatch.setattr(os, "sched_setscheduler", lambda pid, policy, param: None)
     e = object.__new__(VLLMEngine)  # the batching thread's frame only: no model
-    e.threads, e.realtime_priority, e.realtime_lock_dir, e._realtime_slot = 0, 1, str(tmp_path), None
+    e.threads, e.realtime_priority, e.realtime_lock_dir = 0, 1, str(tmp_path)
 
     def failing_serve():
-        assert e._realtime_slot is not None  # held while serving
+        held = realtime_thread(1, str(tmp_path))  # held while serving: no slot for another
+        assert held[0] is None and "none of the 1 realtime slots for 2 CPUs is free" in held[1]
         raise RuntimeError("a fault outside the step")
 
     e._serve = failing_serve
     with pytest.raises(RuntimeError, match="outside the step"):
         e._batch_loop()
-    assert e.step_thread == "SCHED_FIFO 1" and e._realtime_slot is None
+    assert e.step_thread == "SCHED_FIFO 1"
     slot, said = realtime_thread(1, str(tmp_path))  # free again
     assert said == "SCHED_FIFO 1"
     slot.close()
@@ -153,7 +154,7 @@ def test_a_sample_that_cannot_be_read_fails_its_call_not_the_batching_thread(tmp
             return [SimpleNamespace(request_id=r, finished=True) for r in done]
 
     e = object.__new__(VLLMEngine)
-    e.__dict__.update(llm=Engine(), threads=0, realtime_priority=0, realtime_lock_dir=None, _realtime_slot=None,
+    e.__dict__.update(llm=Engine(), threads=0, realtime_priority=0, realtime_lock_dir=None,
                       _lock=threading.Lock(), _queue=[], _queue_cv=threading.Condition(), _closed=False,
                       _in_flight=0, _holds=0, continuous_batching=True, policy_version=0, busy_s=0.0, calls=0)
     bad = str(tmp_path / "missing" / "record.jsonl")
